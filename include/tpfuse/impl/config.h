@@ -1,0 +1,16 @@
+// Macros shared by host and device code: one source for the GPU and the CPU backend.
+#pragma once
+
+#if defined(__CUDACC__)
+#define TPF_HOST_DEVICE __host__ __device__ __forceinline__
+#define TPF_DEVICE __device__ __forceinline__
+#else
+#define TPF_HOST_DEVICE inline
+#define TPF_DEVICE inline
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define TPF_ON_DEVICE 1
+#else
+#define TPF_ON_DEVICE 0
+#endif

@@ -1,0 +1,169 @@
+// Element types and 16-byte packed vectors, host+device.
+//
+// Conversions round to nearest even. On the device they are the hardware instructions; on the
+// host they are bit-exact software versions, so the CPU backend rounds the same way (NaN payloads
+// aside: any NaN stays a NaN).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "tpfuse/impl/config.h"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace tpfuse::impl {
+
+TPF_HOST_DEVICE uint32_t float_bits(float x) {
+#if TPF_ON_DEVICE
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+TPF_HOST_DEVICE float bits_float(uint32_t u) {
+#if TPF_ON_DEVICE
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+// Storage types: 16-bit floats are carried as their bits.
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+TPF_HOST_DEVICE float to_float(float x) { return x; }
+
+TPF_HOST_DEVICE float to_float(BFloat16 x) { return bits_float(uint32_t{x.bits} << 16); }
+
+TPF_HOST_DEVICE float to_float(Float16 x) {
+#if TPF_ON_DEVICE
+  __half_raw raw;
+  raw.x = x.bits;
+  return __half2float(__half(raw));
+#else
+  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    if (mantissa == 0) return bits_float(sign);
+    // Subnormal half: value = mantissa * 2^-24, exact in fp32.
+    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#endif
+}
+
+template <typename T>
+TPF_HOST_DEVICE T from_float(float x);
+
+template <>
+TPF_HOST_DEVICE float from_float<float>(float x) {
+  return x;
+}
+
+template <>
+TPF_HOST_DEVICE BFloat16 from_float<BFloat16>(float x) {
+#if TPF_ON_DEVICE
+  __nv_bfloat16_raw raw = __nv_bfloat16(__float2bfloat16_rn(x));
+  return BFloat16{raw.x};
+#else
+  const uint32_t u = float_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{uint16_t((u >> 16) | 0x40u)};  // quiet NaN
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return BFloat16{uint16_t((u + rounding) >> 16)};
+#endif
+}
+
+template <>
+TPF_HOST_DEVICE Float16 from_float<Float16>(float x) {
+#if TPF_ON_DEVICE
+  __half_raw raw = __half(__float2half_rn(x));
+  return Float16{raw.x};
+#else
+  const uint32_t u = float_bits(x);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return Float16{uint16_t(sign | 0x7e00u)};  // NaN
+  if (magnitude >= 0x477ff000u) return Float16{uint16_t(sign | 0x7c00u)};  // rounds to Inf
+  if (magnitude < 0x38800000u) {
+    // Result is subnormal or zero: round magnitude / 2^-24 to an integer, ties to even.
+    if (magnitude < 0x33000000u) return Float16{sign};  // below half the smallest subnormal
+    const uint32_t exponent = magnitude >> 23;
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exponent;  // 14..24 for this range
+    uint32_t result = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;
+    return Float16{uint16_t(sign | result)};
+  }
+  // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
+  const uint32_t rebased = magnitude - (112u << 23);
+  const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
+  return Float16{uint16_t(sign | (rounded >> 13))};
+#endif
+}
+
+// 16 bytes: the unit every load, store and packet moves (ld.128 / st.128 on the GPU).
+struct alignas(16) Vec16 {
+  uint32_t word[4];
+};
+
+template <typename T>
+struct Packed {
+  static constexpr int kElements = 16 / sizeof(T);
+};
+
+// Unpack a 16-byte vector of T into fp32 lanes, and pack fp32 lanes back with one rounding.
+template <typename T>
+TPF_HOST_DEVICE void unpack(const Vec16& v, float (&out)[Packed<T>::kElements]) {
+  T elements[Packed<T>::kElements];
+  static_assert(sizeof(elements) == 16);
+#if TPF_ON_DEVICE
+  *reinterpret_cast<Vec16*>(elements) = v;
+#else
+  std::memcpy(elements, &v, 16);
+#endif
+#pragma unroll
+  for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = to_float(elements[i]);
+}
+
+template <typename T>
+TPF_HOST_DEVICE Vec16 pack(const float (&in)[Packed<T>::kElements]) {
+  T elements[Packed<T>::kElements];
+#pragma unroll
+  for (int i = 0; i < Packed<T>::kElements; ++i) elements[i] = from_float<T>(in[i]);
+  Vec16 v;
+#if TPF_ON_DEVICE
+  v = *reinterpret_cast<const Vec16*>(elements);
+#else
+  std::memcpy(&v, elements, 16);
+#endif
+  return v;
+}
+
+TPF_HOST_DEVICE float reciprocal_sqrt(float x) {
+#if TPF_ON_DEVICE
+  return rsqrtf(x);
+#else
+  return 1.0f / __builtin_sqrtf(x);
+#endif
+}
+
+}  // namespace tpfuse::impl

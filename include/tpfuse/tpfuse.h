@@ -1,0 +1,131 @@
+// tpfuse: fused all-reduce + epilogue kernels for tensor-parallel inference.
+//
+// The whole public contract is in this header. It has no dependency on torch or on the CUDA
+// headers: tensors are raw pointers with a dtype and sizes, work goes on a cudaStream_t.
+//
+//   Team        the ranks that reduce together and their symmetric workspace (one handle per rank).
+//   allreduce_add_rmsnorm   residual_out = sum_r(input_r) + residual;
+//                           norm_out     = rmsnorm(residual_out) * gamma
+//   allreduce               out = sum_r(input_r)
+//   add_rmsnorm             the same epilogue on one rank, no collective (the local kernel).
+//
+// Promises (tested): every rank gets bitwise-identical outputs; the same inputs give the same
+// bits on every call; sums are accumulated in fp32 in rank order 0..W-1 and rounded once.
+// Bad arguments throw tpfuse::Error naming the argument before any work is queued.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// Same declaration as the CUDA runtime's, so this header compiles without it.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace tpfuse {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class Backend : int { kCpu = 0, kCuda = 1 };
+
+const char* dtype_name(DType dtype);
+size_t dtype_size(DType dtype);
+
+// The one error type of the library. what() names the argument or the failing call, and where.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Largest team the kernels support; world sizes 2, 4 and 8 are specialized at compile time.
+constexpr int kMaxWorldSize = 16;
+// Widths: hidden must be a multiple of kHiddenMultiple elements and at most kMaxHidden.
+constexpr int64_t kHiddenMultiple = 8;
+constexpr int64_t kMaxHidden = 16384;
+
+struct TeamOptions {
+  // Bytes of one rank's packet in one Lamport slot: the largest message (tokens * hidden *
+  // element size) a one-shot call can carry. Each rank allocates 3 slots * world_size * this, so
+  // the default (16 MiB) costs 96 MiB per GPU at world size 2 and 384 MiB at 8; it holds 2730
+  // tokens of hidden 3072 in bf16.
+  size_t packet_bytes = size_t{16} << 20;
+  // How long a rank waits for a peer's packet before it gives up, marks the team failed and
+  // reports the missing rank (Team::check). 0 waits forever.
+  double peer_timeout_seconds = 10.0;
+};
+
+namespace impl {
+struct TeamState;
+}
+
+// One rank's handle on a team. Handles are cheap to copy and share their workspace.
+class Team {
+ public:
+  Team() = default;
+  explicit Team(std::shared_ptr<impl::TeamState> state) : state_(std::move(state)) {}
+
+  int rank() const;
+  int world_size() const;
+  Backend backend() const;
+  // CUDA device ordinal of this rank (-1 for the CPU backend).
+  int device() const;
+  size_t packet_bytes() const;
+  // Most tokens a one-shot call of this width and dtype can carry.
+  int64_t max_tokens(int64_t hidden, DType dtype) const;
+  // Throws tpfuse::Error if a previous call on this rank timed out waiting for a peer (naming the
+  // rank that did not arrive). Synchronizes with the rank's device work first. A failed team
+  // stays failed: create a new one.
+  void check() const;
+
+  impl::TeamState* state() const { return state_.get(); }
+
+ private:
+  std::shared_ptr<impl::TeamState> state_;
+};
+
+// A team whose ranks are threads of this process over host memory: the CPU backend. Each rank's
+// calls must come from its own thread (they block until the peers' packets arrive).
+std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options = {});
+
+// A team of the given CUDA devices driven by this one process (peer access required; its absence
+// is an error naming the pair). Rank i is devices[i].
+std::vector<Team> create_cuda_team(const std::vector<int>& devices,
+                                   const TeamOptions& options = {});
+
+// Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
+bool cuda_available();
+int cuda_device_count();
+
+struct AddRmsNormArgs {
+  const void* input = nullptr;  // [tokens, hidden] this rank's partial sum
+  const void* residual = nullptr;  // [tokens, hidden] or nullptr: no residual
+  const void* gamma = nullptr;  // [hidden]
+  void* residual_out = nullptr;  // [tokens, hidden]; required with a residual, optional without
+  void* norm_out = nullptr;  // [tokens, hidden]
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  DType dtype = DType::kBFloat16;
+  float eps = 1e-6f;
+};
+
+// residual_out = allreduce(input) + residual (or just the sum without a residual);
+// norm_out = residual_out * rsqrt(mean(residual_out^2) + eps) * gamma, with the norm computed
+// from residual_out as stored (rounded to dtype), so norm_out equals what an unfused RMSNorm of
+// residual_out gives within its own rounding. Outputs may alias input or residual exactly (in
+// place); partial overlaps are rejected. For the CUDA backend pointers are device pointers of
+// this rank's device and the work is queued on `stream`; for the CPU backend they are host
+// pointers, the call blocks, and `stream` must be null.
+void allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
+                           cudaStream_t stream = nullptr);
+
+// out = sum over ranks of input; count elements (a multiple of kHiddenMultiple).
+void allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
+               cudaStream_t stream = nullptr);
+
+// The local fused epilogue on one device (no collective): residual_out = input + residual,
+// norm_out = rmsnorm(residual_out) * gamma. Backend kCuda queues a kernel on `stream`; kCpu runs
+// on the calling thread.
+void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream = nullptr);
+
+}  // namespace tpfuse

@@ -1,0 +1,78 @@
+// Internal: what a Team handle points to, and the parameters every one-shot launch takes.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+// Owner of all ranks' memory in an in-process team (CPU or CUDA); frees it when the last handle
+// goes away.
+struct TeamMemory {
+  virtual ~TeamMemory() = default;
+};
+
+struct TeamState {
+  Backend backend = Backend::kCpu;
+  int rank = 0;
+  int world_size = 0;
+  int device = -1;
+  size_t packet_bytes = 0;
+  uint64_t timeout_ns = 0;  // 0: wait forever
+  // Base of every rank's workspace as this rank addresses it (peer pointers over NVLink for CUDA).
+  std::array<char*, kMaxWorld> workspace{};
+  ControlBlock* control = nullptr;  // this rank's control block (device memory for CUDA)
+  // Nonzero after a call of this rank timed out: 1 + the rank that did not arrive. Host memory
+  // (mapped into the device for CUDA), so the host reads it without synchronizing.
+  uint32_t* error_flag = nullptr;
+  int multiprocessors = 0;  // CUDA: SM count of this rank's device
+  std::shared_ptr<TeamMemory> memory;
+};
+
+// Everything one call of the one-shot kernel (or its CPU twin) needs; passed by value.
+struct OneShotParams {
+  char* workspace[kMaxWorld];
+  ControlBlock* control;
+  uint32_t* error_flag;
+  int rank;
+  int world_size;
+  size_t packet_bytes;
+  const void* input;
+  const void* residual;
+  const void* gamma;
+  void* residual_out;
+  void* norm_out;
+  int64_t tokens;
+  int64_t hidden;
+  float eps;
+  uint64_t timeout_ns;
+};
+
+OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& args);
+
+// Argument checks shared by every backend; each throws tpfuse::Error naming the argument.
+void validate_team(const Team& team, const char* op);
+void validate_add_rmsnorm(const AddRmsNormArgs& args, Epilogue epilogue, const char* op);
+void validate_capacity(const TeamState& team, const AddRmsNormArgs& args, const char* op);
+
+// Backends.
+void cpu_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                 Epilogue epilogue);
+void cpu_add_rmsnorm(const AddRmsNormArgs& args);
+void cpu_check(const TeamState& team);
+
+void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                  Epilogue epilogue, cudaStream_t stream);
+void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream);
+void cuda_check(const TeamState& team);
+void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
+                        const char* op);
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,265 @@
+// The CPU backend: ranks are threads of one process, workspaces are host memory, and each call
+// runs the Lamport one-shot protocol of tpfuse/impl/lamport.h with the epilogues of
+// tpfuse/impl/epilogue.h: the same code the CUDA kernel runs, with a thread in place of a grid.
+//
+// Memory ordering: packet words are stored with release and polled with acquire (per 32-bit
+// word, as on the GPU, where only word stores are single-copy atomic). The release on every
+// store orders this rank's earlier clear of a slot before any peer's later store into it: a peer
+// stores into that slot only after it has seen (acquired) a packet this rank sent after the
+// clear.
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+#include "common/team_state.h"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse {
+namespace impl {
+namespace {
+
+struct CpuTeamMemory : TeamMemory {
+  std::vector<void*> blocks;
+  ~CpuTeamMemory() override {
+    for (void* block : blocks) std::free(block);
+  }
+};
+
+void* allocate_aligned(size_t bytes) {
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* pointer = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (pointer == nullptr) TPF_FAIL("out of host memory allocating " << bytes << " bytes");
+  return pointer;
+}
+
+void store_word(uint32_t* word, uint32_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
+uint32_t load_word(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
+void store_vector(char* address, const Vec16& v) {
+  auto* words = reinterpret_cast<uint32_t*>(address);
+  for (int i = 0; i < 4; ++i) store_word(words + i, v.word[i]);
+}
+
+Vec16 load_vector(const char* address) {
+  const auto* words = reinterpret_cast<const uint32_t*>(address);
+  Vec16 v;
+  for (int i = 0; i < 4; ++i) v.word[i] = load_word(words + i);
+  return v;
+}
+
+Vec16 load_plain(const void* base, int64_t vector_index) {
+  Vec16 v;
+  std::memcpy(&v, static_cast<const char*>(base) + vector_index * 16, 16);
+  return v;
+}
+
+void store_plain(void* base, int64_t vector_index, const Vec16& v) {
+  std::memcpy(static_cast<char*>(base) + vector_index * 16, &v, 16);
+}
+
+// Polls one packet vector until every word holds data, or the deadline passes.
+Vec16 poll_vector(const char* address, const OneShotParams& p, int sender, uint32_t call) {
+  Vec16 v = load_vector(address);
+  if (has_arrived(v)) return v;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spins = 0;; ++spins) {
+    v = load_vector(address);
+    if (has_arrived(v)) return v;
+    if (spins % 64 == 63) {
+      std::this_thread::yield();
+      const auto waited = std::chrono::steady_clock::now() - start;
+      const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+      if (p.timeout_ns != 0 && uint64_t(waited_ns) > p.timeout_ns) {
+        __atomic_store_n(p.error_flag, uint32_t(1 + sender), __ATOMIC_RELEASE);
+        TPF_FAIL("rank " << p.rank << " waited " << double(waited_ns) * 1e-9
+                         << " s for rank " << sender << "'s packet in call " << call
+                         << ": peer did not arrive; the team is now failed");
+      }
+    }
+  }
+}
+
+// The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector.
+template <typename T>
+void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue,
+                int64_t token) {
+  constexpr int kElements = Packed<T>::kElements;
+  using Lanes = float[kElements];
+  const int64_t vectors = p.hidden / kElements;
+  const int64_t row = token * vectors;
+  if (epilogue == Epilogue::kSum) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      store_plain(p.norm_out, row + v, pack<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements])));
+    }
+    return;
+  }
+  float sum_squares = 0.0f;
+  for (int64_t v = 0; v < vectors; ++v) {
+    Lanes& lanes = *reinterpret_cast<Lanes*>(&acc[v * kElements]);
+    Vec16 rounded;
+    if (epilogue == Epilogue::kAddRmsNorm) {
+      rounded = residual_round<T, true>(lanes, load_plain(p.residual, row + v), sum_squares);
+    } else {
+      rounded = residual_round<T, false>(lanes, Vec16{}, sum_squares);
+    }
+    if (p.residual_out != nullptr) store_plain(p.residual_out, row + v, rounded);
+  }
+  const float scale = rms_scale(sum_squares, p.hidden, p.eps);
+  for (int64_t v = 0; v < vectors; ++v) {
+    const Lanes& lanes = *reinterpret_cast<const Lanes*>(&acc[v * kElements]);
+    store_plain(p.norm_out, row + v, normalize<T>(lanes, load_plain(p.gamma, v), scale));
+  }
+}
+
+template <typename T>
+void oneshot(const OneShotParams& p, Epilogue epilogue) {
+  constexpr int kElements = Packed<T>::kElements;
+  using Lanes = float[kElements];
+  ControlBlock& control = *p.control;
+  const uint32_t failed = __atomic_load_n(p.error_flag, __ATOMIC_ACQUIRE);
+  if (failed != 0) {
+    TPF_FAIL("rank " << p.rank << ": the team failed earlier (rank " << failed - 1
+                     << " did not arrive); create a new team");
+  }
+  const uint32_t call = control.call_counter;
+  const uint32_t slot = slot_of_call(call);
+  const int64_t vectors = p.hidden / kElements;
+  const size_t bytes = size_t(p.tokens * p.hidden) * sizeof(T);
+
+  // Send: this rank's packet, sentinel words rewritten, into every rank's slot.
+  for (int64_t v = 0; v < p.tokens * vectors; ++v) {
+    const Vec16 packet = rewrite_sentinel(load_plain(p.input, v));
+    for (int r = 0; r < p.world_size; ++r) {
+      char* base = p.workspace[r] + packet_offset(slot, p.rank, p.world_size, p.packet_bytes);
+      store_vector(base + v * 16, packet);
+    }
+  }
+
+  // Re-fill the slot the previous call read with the sentinel.
+  const uint32_t clear_slot = slot_to_clear(call);
+  const size_t clear_bytes = control.slot_bytes[clear_slot];
+  for (int r = 0; r < p.world_size; ++r) {
+    char* base = p.workspace[p.rank] + packet_offset(clear_slot, r, p.world_size, p.packet_bytes);
+    for (size_t offset = 0; offset < clear_bytes; offset += 16) {
+      store_vector(base + offset, sentinel_vector());
+    }
+  }
+
+  // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      Lanes& lanes = *reinterpret_cast<Lanes*>(&acc[v * kElements]);
+      const int64_t index = token * vectors + v;
+      for (int r = 0; r < p.world_size; ++r) {
+        const char* base =
+            p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
+        const Vec16 packet = poll_vector(base + index * 16, p, r, call);
+        if (r == 0) {
+          accumulate_first<T>(lanes, packet);
+        } else {
+          accumulate<T>(lanes, packet);
+        }
+      }
+    }
+    finish_row<T>(acc, p, epilogue, token);
+  }
+  control.slot_bytes[slot] = bytes;
+  control.call_counter = call + 1;
+}
+
+}  // namespace
+
+void cpu_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                 Epilogue epilogue) {
+  (void)team;
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    oneshot<T>(params, epilogue);
+  });
+}
+
+void cpu_add_rmsnorm(const AddRmsNormArgs& args) {
+  OneShotParams p{};
+  p.input = args.input;
+  p.residual = args.residual;
+  p.gamma = args.gamma;
+  p.residual_out = args.residual_out;
+  p.norm_out = args.norm_out;
+  p.tokens = args.tokens;
+  p.hidden = args.hidden;
+  p.eps = args.eps;
+  dispatch_dtype(args.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kElements = Packed<T>::kElements;
+    using Lanes = float[kElements];
+    const int64_t vectors = p.hidden / kElements;
+    std::vector<float> acc(size_t(p.hidden));
+    for (int64_t token = 0; token < p.tokens; ++token) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        accumulate_first<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements]),
+                            load_plain(p.input, token * vectors + v));
+      }
+      finish_row<T>(acc, p, Epilogue::kAddRmsNorm, token);
+    }
+  });
+}
+
+void cpu_check(const TeamState& team) {
+  const uint32_t error = __atomic_load_n(team.error_flag, __ATOMIC_ACQUIRE);
+  if (error != 0) {
+    TPF_FAIL("rank " << team.rank << ": a call timed out waiting for rank " << error - 1
+                     << "; the team is failed");
+  }
+}
+
+}  // namespace impl
+
+std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
+  const char* op = "create_cpu_team";
+  TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
+                "world_size must be in [1, " << kMaxWorldSize << "], got " << world_size);
+  TPF_CHECK_ARG(options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+                "options.packet_bytes must be a positive multiple of 16, got "
+                    << options.packet_bytes);
+  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
+                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+  auto memory = std::make_shared<impl::CpuTeamMemory>();
+  const size_t bytes = impl::workspace_bytes(world_size, options.packet_bytes);
+  std::array<char*, impl::kMaxWorld> workspace{};
+  std::vector<impl::ControlBlock*> controls;
+  for (int r = 0; r < world_size; ++r) {
+    workspace[r] = static_cast<char*>(impl::allocate_aligned(bytes));
+    memory->blocks.push_back(workspace[r]);
+    auto* words = reinterpret_cast<uint32_t*>(workspace[r]);
+    for (size_t i = 0; i < bytes / 4; ++i) words[i] = impl::kSentinel;
+    auto* control = static_cast<impl::ControlBlock*>(impl::allocate_aligned(sizeof(impl::ControlBlock)));
+    memory->blocks.push_back(control);
+    *control = impl::ControlBlock{};
+    controls.push_back(control);
+  }
+  // Publishes the sentinel-filled workspaces to the rank threads the caller starts next.
+  std::atomic_thread_fence(std::memory_order_release);
+  std::vector<Team> team;
+  for (int r = 0; r < world_size; ++r) {
+    auto state = std::make_shared<impl::TeamState>();
+    state->backend = Backend::kCpu;
+    state->rank = r;
+    state->world_size = world_size;
+    state->packet_bytes = options.packet_bytes;
+    state->timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
+    state->workspace = workspace;
+    state->control = controls[r];
+    state->error_flag = &controls[r]->error;
+    state->memory = memory;
+    team.emplace_back(std::move(state));
+  }
+  return team;
+}
+
+}  // namespace tpfuse

@@ -1,0 +1,87 @@
+// Device primitives of the one-shot protocol: packet stores and polls, PDL, block reduction.
+// Each memory-ordering choice says why it is enough.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse::impl {
+
+// Packet store into a peer's (or this rank's) slot. Volatile: the store goes out to L2 / over
+// NVLink now rather than sitting in L1, and is not merged or reordered away by the compiler. No
+// release is needed: the packet is its own flag (a receiver consumes exactly the words it saw
+// change from the sentinel) and nothing else is published with it.
+__device__ __forceinline__ void store_packet(Vec16* address, const Vec16& v) {
+  asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(v.word[0]),
+               "r"(v.word[1]), "r"(v.word[2]), "r"(v.word[3])
+               : "memory");
+}
+
+// Poll of this rank's own slot. Volatile: every iteration reads L2 (where peers' NVLink stores
+// land) instead of a stale L1 line, and the loop is not hoisted.
+__device__ __forceinline__ Vec16 load_packet(const Vec16* address) {
+  Vec16 v;
+  asm volatile("ld.volatile.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.word[0]), "=r"(v.word[1]), "=r"(v.word[2]), "=r"(v.word[3])
+               : "l"(address)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Programmatic dependent launch. wait: blocks until every prerequisite grid has completed and
+// its memory is visible (PTX griddepcontrol.wait). launch_dependents: lets the next kernel in
+// the stream be scheduled (it still waits for our completion before touching memory).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+__device__ __forceinline__ Vec16 load_vector(const void* base, int64_t index) {
+  return reinterpret_cast<const Vec16*>(base)[index];
+}
+
+__device__ __forceinline__ void store_vector(void* base, int64_t index, const Vec16& v) {
+  reinterpret_cast<Vec16*>(base)[index] = v;
+}
+
+// Sum over the block, in a fixed order (butterfly within warps, then warp 0 over the warp
+// sums): the same launch shape gives the same bits on every rank and every call.
+__device__ __forceinline__ float block_sum(float value, float* shared_warp_sums) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = (blockDim.x + 31) / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  if (lane == 0) shared_warp_sums[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < warps ? shared_warp_sums[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value += __shfl_xor_sync(0xffffffffu, value, offset);
+    }
+    if (lane == 0) shared_warp_sums[32] = value;
+  }
+  __syncthreads();
+  const float total = shared_warp_sums[32];
+  __syncthreads();  // shared_warp_sums may be reused by the next row
+  return total;
+}
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,378 @@
+// The Lamport one-shot fused all-reduce kernel and the local fused add + RMSNorm kernel.
+//
+// Protocol: tpfuse/impl/lamport.h tells what is stored where and why no barrier is needed.
+// This kernel, one launch per call and rank:
+//
+//   [before griddepcontrol.wait]  nothing that reads or writes memory: only registers from the
+//                                 kernel parameters. The previous kernel in the stream (another
+//                                 tpfuse call, or whatever wrote our inputs) may still run.
+//   [after the wait]              the previous grid has completed and its writes are visible.
+//   1. thread 0 reads the call counter k and the bytes slot (k+2)%3 last received.
+//   2. send: each block stores its tokens' packets (input, sentinel rewritten) into slot k%3,
+//      sender index `rank`, of every rank's workspace.
+//   3. arrival: thread 0 counts its block in; the last block to arrive resets the count and
+//      advances the counter to k+1 (every block has read k by then), and records this call's
+//      packet bytes for slot k%3, so call k+1 knows what to clear.
+//   4. launch_dependents: the next kernel may be scheduled now. It cannot disturb us: every
+//      tpfuse kernel waits (griddepcontrol.wait waits for this whole grid to complete and
+//      flush) before it touches the counter or any slot. And since the trigger takes effect only
+//      once every block of this grid has issued it, all our blocks are resident before a
+//      dependent can take SM space: the co-residency the cross-rank polling needs.
+//   5. clear: slot (k+2)%3 of this rank (what call k-1 read) is re-filled with the sentinel.
+//   6. receive: each block polls its tokens' vectors in this rank's slot k%3 for every sender,
+//      sums them in rank order 0..W-1 in fp32, and runs the epilogue.
+//
+// Grid: at most one block per multiprocessor, so every block of the grid is resident at once;
+// a block that polls for a peer's packet never waits on one of its own grid's blocks that has
+// not started. Block: one token row at a time, each thread holding kVecsPerThread 16-byte
+// vectors of it in registers (at most kMaxThreads threads).
+//
+// Bitwise identity across ranks: every rank sums the same packets (after the sentinel rewrite)
+// in the same order with the same launch shape (grid and block depend only on tokens, hidden and
+// the device's SM count), so the epilogue's block reduction sees the same values in the same
+// order. This holds between ranks on GPUs of the same model; the CPU backend reduces the row in
+// another order and may differ from the GPU in the last bit of the norm.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "common/error.h"
+#include "common/team_state.h"
+#include "cuda/device_ops.cuh"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+
+namespace tpfuse::impl {
+namespace {
+
+// 512 threads at most: leaves 128 registers a thread for the packets and fp32 lanes in flight.
+constexpr int kMaxThreads = 512;
+
+// Waits until every word of a packet vector holds data. The fast path (data already there) is
+// inlined by the caller; this is the slow path, with the bounded wait.
+__device__ __noinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
+                                              uint32_t* error_flag, int sender) {
+  uint64_t deadline = 0;
+  for (uint32_t spins = 1;; ++spins) {
+    const Vec16 v = load_packet(address);
+    if (has_arrived(v)) return v;
+    if (timeout_ns != 0 && spins % 256 == 0) {
+      const uint64_t now = global_timer_ns();
+      if (deadline == 0) {
+        deadline = now + timeout_ns;
+      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(error_flag) != 0) {
+        // System scope: the flag is host-mapped memory the host reads without synchronizing.
+        atomicCAS_system(error_flag, 0u, uint32_t(1 + sender));
+        return v;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ Vec16 receive_packet(const Vec16* address, uint64_t timeout_ns,
+                                                uint32_t* error_flag, int sender) {
+  const Vec16 v = load_packet(address);
+  return has_arrived(v) ? v : wait_for_packet(address, timeout_ns, error_flag, sender);
+}
+
+// The epilogue for one token row whose fp32 rank sum each thread holds in `acc`.
+template <typename T, int kVecsPerThread, Epilogue kEpilogue>
+__device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
+                                           const OneShotParams& p, int64_t token,
+                                           int64_t vectors, float* shared_sums) {
+  const int64_t row = token * vectors;
+  if constexpr (kEpilogue == Epilogue::kSum) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v < vectors) store_vector(p.norm_out, row + v, pack<T>(acc[i]));
+    }
+  } else {
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v < vectors) {
+        constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
+        const Vec16 residual = kHasResidual ? load_vector(p.residual, row + v) : Vec16{};
+        const Vec16 rounded = residual_round<T, kHasResidual>(acc[i], residual, sum_squares);
+        if (p.residual_out != nullptr) store_vector(p.residual_out, row + v, rounded);
+      }
+    }
+    const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v < vectors) {
+        store_vector(p.norm_out, row + v, normalize<T>(acc[i], load_vector(p.gamma, v), scale));
+      }
+    }
+  }
+}
+
+template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParams p) {
+  constexpr int kElements = Packed<T>::kElements;
+  uint32_t* const error_flag = p.error_flag;
+  const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
+  const int64_t vectors = p.hidden / kElements;
+  __shared__ float shared_sums[33];
+  __shared__ uint32_t shared_call;
+  __shared__ uint64_t shared_clear_bytes;
+  __shared__ uint32_t shared_failed;
+
+  grid_dependency_wait();
+
+  if (threadIdx.x == 0) {
+    // Plain volatile loads: the writer was a previous grid, complete and flushed (the wait).
+    ControlBlock* control = p.control;
+    const uint32_t call = *reinterpret_cast<volatile uint32_t*>(&control->call_counter);
+    shared_call = call;
+    shared_clear_bytes =
+        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(call)]);
+    shared_failed = *reinterpret_cast<volatile uint32_t*>(error_flag);
+  }
+  __syncthreads();
+  // A failed team sends nothing, so its peers time out too and every rank reports the failure.
+  if (shared_failed != 0) return;
+  const uint32_t call = shared_call;
+  const uint32_t slot = slot_of_call(call);
+
+  // 2. Send.
+  const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v < vectors) {
+        const int64_t index = token * vectors + v;
+        const Vec16 packet = rewrite_sentinel(load_vector(p.input, index));
+#pragma unroll
+        for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+          if (kWorldSize == 0 && r >= world) break;
+          store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + send_offset) + index, packet);
+        }
+      }
+    }
+  }
+
+  // 3. Arrival.
+  if (threadIdx.x == 0) {
+    const uint32_t arrived = atomicAdd(&p.control->arrivals, 1u);
+    if (arrived == gridDim.x - 1) {
+      p.control->arrivals = 0;
+      p.control->slot_bytes[slot] = uint64_t(p.tokens * p.hidden) * sizeof(T);
+      p.control->call_counter = call + 1;
+    }
+  }
+
+  // 4.
+  launch_dependents();
+
+  // 5. Clear. Plain stores suffice: the slot is next polled two calls (two kernel boundaries)
+  // later, and a peer stores into it only after it has seen a packet this rank sends later.
+  {
+    const uint32_t clear_slot = slot_to_clear(call);
+    const int64_t per_sender = int64_t(shared_clear_bytes / 16);
+    const int64_t total = per_sender * world;
+    char* base = p.workspace[p.rank] + packet_offset(clear_slot, 0, world, p.packet_bytes);
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+      const int64_t sender = i / per_sender;
+      reinterpret_cast<Vec16*>(base + sender * p.packet_bytes)[i - sender * per_sender] =
+          sentinel_vector();
+    }
+  }
+
+  // 6. Receive and finish.
+  const char* my_workspace = p.workspace[p.rank];
+  const size_t sender_stride = p.packet_bytes;
+  const char* slot_base = my_workspace + packet_offset(slot, 0, world, p.packet_bytes);
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    float acc[kVecsPerThread][kElements];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v >= vectors) continue;
+      const int64_t index = token * vectors + v;
+      if constexpr (kWorldSize > 0) {
+        // All W loads in flight before the first use.
+        Vec16 packets[kWorldSize];
+#pragma unroll
+        for (int r = 0; r < kWorldSize; ++r) {
+          packets[r] = load_packet(
+              reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index);
+        }
+#pragma unroll
+        for (int r = 0; r < kWorldSize; ++r) {
+          if (!has_arrived(packets[r])) {
+            packets[r] = wait_for_packet(
+                reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index,
+                p.timeout_ns, error_flag, r);
+          }
+        }
+        accumulate_first<T>(acc[i], packets[0]);
+#pragma unroll
+        for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
+      } else {
+        for (int r = 0; r < world; ++r) {
+          const Vec16 packet = receive_packet(
+              reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index,
+              p.timeout_ns, error_flag, r);
+          if (r == 0) {
+            accumulate_first<T>(acc[i], packet);
+          } else {
+            accumulate<T>(acc[i], packet);
+          }
+        }
+      }
+    }
+    finish_row<T, kVecsPerThread, kEpilogue>(acc, p, token, vectors, shared_sums);
+  }
+}
+
+template <typename T, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotParams p) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  __shared__ float shared_sums[33];
+  grid_dependency_wait();
+  launch_dependents();
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    float acc[kVecsPerThread][kElements];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
+      if (v < vectors) accumulate_first<T>(acc[i], load_vector(p.input, token * vectors + v));
+    }
+    finish_row<T, kVecsPerThread, Epilogue::kAddRmsNorm>(acc, p, token, vectors, shared_sums);
+  }
+}
+
+struct LaunchShape {
+  int vecs_per_thread;
+  int threads;
+};
+
+LaunchShape launch_shape(int64_t hidden, size_t element_size) {
+  const int64_t vectors = hidden * int64_t(element_size) / 16;
+  for (int vecs : {1, 2, 4, 8}) {
+    const int64_t threads = (vectors + vecs - 1) / vecs;
+    if (threads <= kMaxThreads) return {vecs, int((threads + 31) / 32 * 32)};
+  }
+  TPF_FAIL("hidden " << hidden << " is too wide for one block");
+}
+
+template <typename Fn>
+void dispatch_vecs(int vecs_per_thread, Fn&& fn) {
+  switch (vecs_per_thread) {
+    case 1: return fn(IntTag<1>{});
+    case 2: return fn(IntTag<2>{});
+    case 4: return fn(IntTag<4>{});
+    default: return fn(IntTag<8>{});
+  }
+}
+
+template <typename Fn>
+void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
+  switch (epilogue) {
+    case Epilogue::kSum: return fn(std::integral_constant<Epilogue, Epilogue::kSum>{});
+    case Epilogue::kRmsNorm: return fn(std::integral_constant<Epilogue, Epilogue::kRmsNorm>{});
+    case Epilogue::kAddRmsNorm:
+      return fn(std::integral_constant<Epilogue, Epilogue::kAddRmsNorm>{});
+  }
+}
+
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("TPFUSE_DISABLE_PDL");
+    return value == nullptr || value[0] == '\0' || value[0] == '0';
+  }();
+  return enabled;
+}
+
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, int blocks, int threads, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attributes[1];
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attributes;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  TPF_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+// Sets the current device for a scope, restoring the caller's afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    TPF_CHECK_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != device) TPF_CHECK_CUDA(cudaSetDevice(device));
+    changed_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+}  // namespace
+
+void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                  Epilogue epilogue, cudaStream_t stream) {
+  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
+  DeviceGuard guard(team.device);
+  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
+  const int blocks = int(std::min<int64_t>(params.tokens, team.multiprocessors));
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_world_size(params.world_size, [&](auto world_tag) {
+      constexpr int kWorld = decltype(world_tag)::value;
+      dispatch_epilogue(epilogue, [&](auto epilogue_tag) {
+        constexpr Epilogue kEpilogue = decltype(epilogue_tag)::value;
+        dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
+          constexpr int kVecs = decltype(vecs_tag)::value;
+          if constexpr (kVecs * Packed<T>::kElements * kMaxThreads > 2 * kMaxHidden) {
+            TPF_FAIL("no launch shape for hidden " << params.hidden);  // never chosen
+          } else {
+            launch(oneshot_kernel<T, kWorld, kEpilogue, kVecs>, blocks, shape.threads, stream,
+                   params);
+          }
+        });
+      });
+    });
+  });
+}
+
+void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream) {
+  OneShotParams params{};
+  params.input = args.input;
+  params.residual = args.residual;
+  params.gamma = args.gamma;
+  params.residual_out = args.residual_out;
+  params.norm_out = args.norm_out;
+  params.tokens = args.tokens;
+  params.hidden = args.hidden;
+  params.eps = args.eps;
+  const LaunchShape shape = launch_shape(args.hidden, dtype_size(args.dtype));
+  const int blocks = int(std::min<int64_t>(args.tokens, 65535));
+  dispatch_dtype(args.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
+      constexpr int kVecs = decltype(vecs_tag)::value;
+      if constexpr (kVecs * Packed<T>::kElements * kMaxThreads > 2 * kMaxHidden) {
+        TPF_FAIL("no launch shape for hidden " << args.hidden);  // never chosen
+      } else {
+        launch(add_rmsnorm_kernel<T, kVecs>, blocks, shape.threads, stream, params);
+      }
+    });
+  });
+}
+
+}  // namespace tpfuse::impl

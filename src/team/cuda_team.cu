@@ -1,0 +1,190 @@
+// In-process CUDA teams: one process drives every rank's GPU; peers' workspaces are reached
+// through CUDA peer access (unified addressing: a peer's cudaMalloc pointer is valid here).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <set>
+#include <vector>
+
+#include "common/error.h"
+#include "common/team_state.h"
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse {
+namespace impl {
+namespace {
+
+__global__ void fill_sentinel_kernel(uint32_t* words, size_t count) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    words[i] = kSentinel;
+  }
+}
+
+struct CudaTeamMemory : TeamMemory {
+  struct Allocation {
+    int device;
+    void* pointer;
+  };
+  std::vector<Allocation> device_allocations;
+  std::vector<void*> host_allocations;
+  ~CudaTeamMemory() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    for (const auto& allocation : device_allocations) {
+      cudaSetDevice(allocation.device);
+      cudaDeviceSynchronize();
+      cudaFree(allocation.pointer);
+    }
+    for (void* pointer : host_allocations) cudaFreeHost(pointer);
+    cudaSetDevice(previous);
+  }
+};
+
+}  // namespace
+
+void cuda_check(const TeamState& team) {
+  int previous = 0;
+  TPF_CHECK_CUDA(cudaGetDevice(&previous));
+  TPF_CHECK_CUDA(cudaSetDevice(team.device));
+  const cudaError_t status = cudaDeviceSynchronize();
+  cudaSetDevice(previous);
+  TPF_CHECK_CUDA(status);
+  const uint32_t error = *reinterpret_cast<volatile uint32_t*>(team.error_flag);
+  if (error != 0) {
+    TPF_FAIL("rank " << team.rank << " (device " << team.device << "): a call timed out waiting "
+                     << "for rank " << error - 1 << "'s packet; the team is failed, create a "
+                     << "new one");
+  }
+}
+
+void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
+                        const char* op) {
+  if (stream != nullptr) {
+    int stream_device = -1;
+    TPF_CHECK_CUDA(cudaStreamGetDevice(stream, &stream_device));
+    TPF_CHECK_ARG(stream_device == team.device, op,
+                  "stream belongs to device " << stream_device << " but team rank " << team.rank
+                                              << " is on device " << team.device);
+  }
+  const std::pair<const char*, const void*> pointers[] = {
+      {"input", args.input},       {"residual", args.residual}, {"gamma", args.gamma},
+      {"residual_out", args.residual_out}, {"norm_out", args.norm_out}};
+  for (const auto& [name, pointer] : pointers) {
+    if (pointer == nullptr) continue;
+    cudaPointerAttributes attributes{};
+    TPF_CHECK_CUDA(cudaPointerGetAttributes(&attributes, pointer));
+    const bool device_memory =
+        attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+    TPF_CHECK_ARG(device_memory && (attributes.type == cudaMemoryTypeManaged ||
+                                    attributes.device == team.device),
+                  op,
+                  name << " must be device memory on device " << team.device << " (rank "
+                       << team.rank << "), got "
+                       << (device_memory ? "memory of device " + std::to_string(attributes.device)
+                                         : std::string("host memory")));
+  }
+}
+
+}  // namespace impl
+
+bool cuda_available() { return true; }
+
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOptions& options) {
+  const char* op = "create_cuda_team";
+  const int world_size = int(devices.size());
+  TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
+                "devices must name 1 to " << kMaxWorldSize << " GPUs, got " << world_size);
+  TPF_CHECK_ARG(options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+                "options.packet_bytes must be a positive multiple of 16, got "
+                    << options.packet_bytes);
+  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
+                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+  const int count = cuda_device_count();
+  std::set<int> seen;
+  for (int i = 0; i < world_size; ++i) {
+    TPF_CHECK_ARG(devices[i] >= 0 && devices[i] < count, op,
+                  "devices[" << i << "] = " << devices[i] << " but this process sees " << count
+                             << " CUDA device(s)");
+    TPF_CHECK_ARG(seen.insert(devices[i]).second, op,
+                  "devices[" << i << "] = " << devices[i] << " appears twice");
+  }
+  int previous = 0;
+  TPF_CHECK_CUDA(cudaGetDevice(&previous));
+  for (int i = 0; i < world_size; ++i) {
+    TPF_CHECK_CUDA(cudaSetDevice(devices[i]));
+    for (int j = 0; j < world_size; ++j) {
+      if (i == j) continue;
+      int can_access = 0;
+      TPF_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, devices[i], devices[j]));
+      TPF_CHECK_ARG(can_access, op,
+                    "device " << devices[i] << " cannot access device " << devices[j]
+                              << " as a peer (no P2P between them); use a multi-process team "
+                                 "over NCCL instead");
+      const cudaError_t status = cudaDeviceEnablePeerAccess(devices[j], 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        TPF_CHECK_CUDA(status);
+      }
+    }
+  }
+
+  auto memory = std::make_shared<impl::CudaTeamMemory>();
+  const size_t bytes = impl::workspace_bytes(world_size, options.packet_bytes);
+  std::array<char*, impl::kMaxWorld> workspace{};
+  std::vector<impl::ControlBlock*> controls(world_size);
+  std::vector<int> multiprocessors(world_size);
+  uint32_t* error_flags = nullptr;
+  TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&error_flags),
+                               sizeof(uint32_t) * world_size,
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+  memory->host_allocations.push_back(error_flags);
+  for (int r = 0; r < world_size; ++r) {
+    error_flags[r] = 0;
+    TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+    void* pointer = nullptr;
+    TPF_CHECK_CUDA(cudaMalloc(&pointer, bytes));
+    memory->device_allocations.push_back({devices[r], pointer});
+    workspace[r] = static_cast<char*>(pointer);
+    impl::fill_sentinel_kernel<<<1024, 256>>>(static_cast<uint32_t*>(pointer), bytes / 4);
+    TPF_CHECK_CUDA(cudaGetLastError());
+    TPF_CHECK_CUDA(cudaMalloc(&pointer, sizeof(impl::ControlBlock)));
+    memory->device_allocations.push_back({devices[r], pointer});
+    controls[r] = static_cast<impl::ControlBlock*>(pointer);
+    TPF_CHECK_CUDA(cudaMemset(pointer, 0, sizeof(impl::ControlBlock)));
+    TPF_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount,
+                                          devices[r]));
+    TPF_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  TPF_CHECK_CUDA(cudaSetDevice(previous));
+
+  std::vector<Team> team;
+  for (int r = 0; r < world_size; ++r) {
+    auto state = std::make_shared<impl::TeamState>();
+    state->backend = Backend::kCuda;
+    state->rank = r;
+    state->world_size = world_size;
+    state->device = devices[r];
+    state->packet_bytes = options.packet_bytes;
+    state->timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
+    state->workspace = workspace;
+    state->control = controls[r];
+    state->error_flag = error_flags + r;
+    state->multiprocessors = multiprocessors[r];
+    state->memory = memory;
+    team.emplace_back(std::move(state));
+  }
+  return team;
+}
+
+}  // namespace tpfuse
