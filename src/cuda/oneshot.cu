@@ -338,7 +338,7 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
         constexpr Epilogue kEpilogue = decltype(epilogue_tag)::value;
         dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
           constexpr int kVecs = decltype(vecs_tag)::value;
-          if constexpr (kVecs * Packed<T>::kElements * kMaxThreads > 2 * kMaxHidden) {
+          if constexpr (kVecs > 1 && (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
             TPF_FAIL("no launch shape for hidden " << params.hidden);  // never chosen
           } else {
             launch(oneshot_kernel<T, kWorld, kEpilogue, kVecs>, blocks, shape.threads, stream,
@@ -366,7 +366,7 @@ void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream) {
     using T = typename decltype(type_tag)::type;
     dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
       constexpr int kVecs = decltype(vecs_tag)::value;
-      if constexpr (kVecs * Packed<T>::kElements * kMaxThreads > 2 * kMaxHidden) {
+      if constexpr (kVecs > 1 && (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
         TPF_FAIL("no launch shape for hidden " << args.hidden);  // never chosen
       } else {
         launch(add_rmsnorm_kernel<T, kVecs>, blocks, shape.threads, stream, params);
