@@ -63,22 +63,23 @@ void store_plain(void* base, int64_t vector_index, const Vec16& v) {
 }
 
 // Polls one packet vector until every word holds data, or the deadline passes.
-Vec16 poll_vector(const char* address, const OneShotParams& p, int sender, uint32_t call) {
+Vec16 poll_vector(const char* address, const OneShotParams& p, int sender) {
   Vec16 v = load_vector(address);
   if (has_arrived(v)) return v;
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t spins = 0;; ++spins) {
     v = load_vector(address);
     if (has_arrived(v)) return v;
+    // Ranks may outnumber cores: after a short spin, give the core to the peer being waited on.
+    if (spins >= 16) std::this_thread::yield();
     if (spins % 64 == 63) {
-      std::this_thread::yield();
       const auto waited = std::chrono::steady_clock::now() - start;
       const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
       if (p.timeout_ns != 0 && uint64_t(waited_ns) > p.timeout_ns) {
         __atomic_store_n(p.error_flag, uint32_t(1 + sender), __ATOMIC_RELEASE);
         TPF_FAIL("rank " << p.rank << " waited " << double(waited_ns) * 1e-9
-                         << " s for rank " << sender << "'s packet in call " << call
-                         << ": peer did not arrive; the team is now failed");
+                         << " s for rank " << sender
+                         << "'s packet: peer did not arrive; the team is now failed");
       }
     }
   }
@@ -126,8 +127,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
     TPF_FAIL("rank " << p.rank << ": the team failed earlier (rank " << failed - 1
                      << " did not arrive); create a new team");
   }
-  const uint32_t call = control.call_counter;
-  const uint32_t slot = slot_of_call(call);
+  const uint32_t slot = control.slot;
   const int64_t vectors = p.hidden / kElements;
   const size_t bytes = size_t(p.tokens * p.hidden) * sizeof(T);
 
@@ -141,7 +141,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
   }
 
   // Re-fill the slot the previous call read with the sentinel.
-  const uint32_t clear_slot = slot_to_clear(call);
+  const uint32_t clear_slot = slot_to_clear(slot);
   const size_t clear_bytes = control.slot_bytes[clear_slot];
   for (int r = 0; r < p.world_size; ++r) {
     char* base = p.workspace[p.rank] + packet_offset(clear_slot, r, p.world_size, p.packet_bytes);
@@ -159,7 +159,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
       for (int r = 0; r < p.world_size; ++r) {
         const char* base =
             p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
-        const Vec16 packet = poll_vector(base + index * 16, p, r, call);
+        const Vec16 packet = poll_vector(base + index * 16, p, r);
         if (r == 0) {
           accumulate_first<T>(lanes, packet);
         } else {
@@ -170,7 +170,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
     finish_row<T>(acc, p, epilogue, token);
   }
   control.slot_bytes[slot] = bytes;
-  control.call_counter = call + 1;
+  control.slot = next_slot(slot);
 }
 
 }  // namespace

@@ -7,15 +7,15 @@
 //                                 kernel parameters. The previous kernel in the stream (another
 //                                 tpfuse call, or whatever wrote our inputs) may still run.
 //   [after the wait]              the previous grid has completed and its writes are visible.
-//   1. thread 0 reads the call counter k and the bytes slot (k+2)%3 last received.
+//   1. thread 0 reads the slot index s = k%3 and the bytes slot (k+2)%3 last received.
 //   2. send: each block stores its tokens' packets (input, sentinel rewritten) into slot k%3,
 //      sender index `rank`, of every rank's workspace.
 //   3. arrival: thread 0 counts its block in; the last block to arrive resets the count and
-//      advances the counter to k+1 (every block has read k by then), and records this call's
+//      advances the slot index (every block has read it by then), and records this call's
 //      packet bytes for slot k%3, so call k+1 knows what to clear.
 //   4. launch_dependents: the next kernel may be scheduled now. It cannot disturb us: every
 //      tpfuse kernel waits (griddepcontrol.wait waits for this whole grid to complete and
-//      flush) before it touches the counter or any slot. And since the trigger takes effect only
+//      flush) before it touches the slot index or any slot. And since the trigger takes effect only
 //      once every block of this grid has issued it, all our blocks are resident before a
 //      dependent can take SM space: the co-residency the cross-rank polling needs.
 //   5. clear: slot (k+2)%3 of this rank (what call k-1 read) is re-filled with the sentinel.
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
-  __shared__ uint32_t shared_call;
+  __shared__ uint32_t shared_slot;
   __shared__ uint64_t shared_clear_bytes;
   __shared__ uint32_t shared_failed;
 
@@ -126,17 +126,16 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   if (threadIdx.x == 0) {
     // Plain volatile loads: the writer was a previous grid, complete and flushed (the wait).
     ControlBlock* control = p.control;
-    const uint32_t call = *reinterpret_cast<volatile uint32_t*>(&control->call_counter);
-    shared_call = call;
+    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
+    shared_slot = slot;
     shared_clear_bytes =
-        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(call)]);
+        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
     shared_failed = *reinterpret_cast<volatile uint32_t*>(error_flag);
   }
   __syncthreads();
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
   if (shared_failed != 0) return;
-  const uint32_t call = shared_call;
-  const uint32_t slot = slot_of_call(call);
+  const uint32_t slot = shared_slot;
 
   // 2. Send.
   const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
@@ -162,7 +161,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     if (arrived == gridDim.x - 1) {
       p.control->arrivals = 0;
       p.control->slot_bytes[slot] = uint64_t(p.tokens * p.hidden) * sizeof(T);
-      p.control->call_counter = call + 1;
+      p.control->slot = next_slot(slot);
     }
   }
 
@@ -172,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   // 5. Clear. Plain stores suffice: the slot is next polled two calls (two kernel boundaries)
   // later, and a peer stores into it only after it has seen a packet this rank sends later.
   {
-    const uint32_t clear_slot = slot_to_clear(call);
+    const uint32_t clear_slot = slot_to_clear(slot);
     const int64_t per_sender = int64_t(shared_clear_bytes / 16);
     const int64_t total = per_sender * world;
     char* base = p.workspace[p.rank] + packet_offset(clear_slot, 0, world, p.packet_bytes);

@@ -4,7 +4,8 @@
 // both follow it, through the functions below):
 //
 //  * Each rank's workspace holds kSlots = 3 slots; a slot holds one packet per sender rank,
-//    packet_bytes each. Call k of a rank uses slot k % 3. Rank r stores its packet for call k
+//    packet_bytes each. Call k of a rank uses slot k % 3 (the control block keeps k % 3 itself,
+//    not k, so no counter ever wraps onto the wrong slot). Rank r stores its packet for call k
 //    (its input, 16-byte vectors) into slot k % 3, sender index r, of every rank's workspace,
 //    its own included.
 //  * An empty word holds the sentinel, negative zero's bit pattern 0x80000000. A receiver polls
@@ -19,7 +20,7 @@
 //  * Ranks may drift one call apart with no barrier: a rank in call k + 1 stores into slot
 //    (k + 1) % 3 of a peer still in call k, which that peer cleared in call k - 1 and will not
 //    touch again before its call k + 1 reads it.
-//  * The call counter lives in device memory and advances once per call, by the last block to
+//  * The slot index lives in device memory and advances once per call, by the last block to
 //    have read it (an arrival count), so no host state changes per call and the kernel can be
 //    captured in a CUDA graph and replayed forever.
 //
@@ -42,15 +43,16 @@ constexpr int kMaxWorld = 16;
 
 // Per-rank control block, in the rank's own memory (never touched by peers).
 struct alignas(16) ControlBlock {
-  uint32_t call_counter;  // number of calls completed; call k uses slot k % kSlots
+  uint32_t slot;  // slot of the next call: calls completed modulo kSlots
   uint32_t arrivals;  // blocks of the current call that have read call_counter
   uint32_t error;  // CPU backend's error flag (TeamState::error_flag); unused on the GPU
   uint32_t pad;
   uint64_t slot_bytes[kSlots];  // bytes per sender each slot received in its last call
 };
 
-TPF_HOST_DEVICE uint32_t slot_of_call(uint32_t call) { return call % kSlots; }
-TPF_HOST_DEVICE uint32_t slot_to_clear(uint32_t call) { return (call + 2) % kSlots; }
+TPF_HOST_DEVICE uint32_t next_slot(uint32_t slot) { return slot + 1 == kSlots ? 0 : slot + 1; }
+// The slot the previous call used: (slot + 2) % 3.
+TPF_HOST_DEVICE uint32_t slot_to_clear(uint32_t slot) { return slot == 0 ? kSlots - 1 : slot - 1; }
 
 // Byte offset, inside any rank's workspace, of sender `sender`'s packet in `slot`.
 TPF_HOST_DEVICE size_t packet_offset(uint32_t slot, int sender, int world_size,

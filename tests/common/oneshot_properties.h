@@ -1,0 +1,379 @@
+// The properties every backend of allreduce_add_rmsnorm / allreduce must have, written once and
+// run by tests/cpu (CPU backend) and tests/gpu (CUDA backend):
+//   - matches a float64 reference on fresh random inputs, every output element written;
+//   - bitwise-identical outputs on every rank, and the same bits when a call is repeated;
+//   - adversarial payloads (+-0, the sentinel's bits, denormals, huge values, Inf/NaN);
+//   - long runs of back-to-back calls whose shapes and scales change from call to call.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace tpfuse::testing {
+
+struct CaseSpec {
+  DType dtype = DType::kBFloat16;
+  int64_t tokens = 1;
+  int64_t hidden = 3072;
+  bool residual = true;
+  bool residual_out = true;  // without a residual: whether the sum is written too
+  bool norm_in_place = false;  // norm_out is the input tensor
+  bool residual_in_place = false;  // residual_out is the residual tensor
+  float eps = 1e-6f;
+  bool plain_allreduce = false;  // tpfuse::allreduce of tokens * hidden elements
+};
+
+struct CaseData {
+  std::vector<HostTensor> inputs;  // per rank
+  std::vector<HostTensor> residuals;  // per rank (identical on every rank, as in TP)
+  HostTensor gamma;
+};
+
+struct CaseResult {
+  std::vector<HostTensor> residual_out;  // per rank
+  std::vector<HostTensor> norm_out;  // per rank
+};
+
+inline std::string describe(const CaseSpec& spec) {
+  std::ostringstream out;
+  out << dtype_name(spec.dtype) << " tokens=" << spec.tokens << " hidden=" << spec.hidden
+      << (spec.plain_allreduce ? " allreduce" : "") << (spec.residual ? " residual" : "")
+      << (spec.residual_out ? " residual_out" : "") << (spec.norm_in_place ? " norm_in_place" : "")
+      << (spec.residual_in_place ? " residual_in_place" : "");
+  return out.str();
+}
+
+inline CaseData random_case(std::mt19937_64& rng, const CaseSpec& spec, int world_size,
+                            double scale = 1.0) {
+  const size_t count = size_t(spec.tokens * spec.hidden);
+  CaseData data;
+  for (int r = 0; r < world_size; ++r) data.inputs.push_back(random_tensor(rng, spec.dtype, count, scale));
+  const HostTensor residual = random_tensor(rng, spec.dtype, count, scale);
+  for (int r = 0; r < world_size; ++r) data.residuals.push_back(residual);
+  data.gamma = random_tensor(rng, spec.dtype, size_t(spec.hidden));
+  for (size_t i = 0; i < data.gamma.count(); ++i) data.gamma.set(i, 1.0 + 0.25 * data.gamma.get(i));
+  return data;
+}
+
+// Runs cases on a harness; keeps `sets` groups of per-rank buffers so that up to `sets` calls
+// can be queued back to back, each on its own buffers, before any is checked.
+class OneShotRunner {
+ public:
+  explicit OneShotRunner(Harness& harness, int sets = 1) : harness_(harness), sets_(sets) {}
+
+  // Queues `specs.size()` (at most `sets`) calls back to back on every rank, then waits.
+  std::vector<CaseResult> run_batch(const std::vector<CaseSpec>& specs,
+                                    const std::vector<CaseData>& data) {
+    const int world = harness_.world_size();
+    std::vector<std::vector<Buffers>> buffers(specs.size(), std::vector<Buffers>(world));
+    for (size_t c = 0; c < specs.size(); ++c) {
+      const CaseSpec& spec = specs[c];
+      const size_t bytes = size_t(spec.tokens * spec.hidden) * dtype_size(spec.dtype);
+      const HostTensor poison = poisoned(spec.dtype, size_t(spec.tokens * spec.hidden));
+      for (int r = 0; r < world; ++r) {
+        Buffers& b = buffers[c][r] = buffers_for(int(c), r, bytes, spec.hidden);
+        harness_.upload(r, b.input, data[c].inputs[r].data(), bytes);
+        if (spec.residual) harness_.upload(r, b.residual, data[c].residuals[r].data(), bytes);
+        harness_.upload(r, b.gamma, data[c].gamma.data(), data[c].gamma.bytes.size());
+        if (!spec.norm_in_place) harness_.upload(r, b.norm_out, poison.data(), bytes);
+        if (!spec.residual_in_place) harness_.upload(r, b.residual_out, poison.data(), bytes);
+      }
+    }
+    harness_.enqueue([&](int rank, cudaStream_t stream) {
+      for (size_t c = 0; c < specs.size(); ++c) call(specs[c], buffers[c][rank], rank, stream);
+    });
+    harness_.synchronize();
+    std::vector<CaseResult> results(specs.size());
+    for (size_t c = 0; c < specs.size(); ++c) {
+      const CaseSpec& spec = specs[c];
+      const size_t count = size_t(spec.tokens * spec.hidden);
+      for (int r = 0; r < world; ++r) {
+        const Buffers& b = buffers[c][r];
+        HostTensor norm(spec.dtype, count), residual_out(spec.dtype, count);
+        harness_.download(r, norm.data(), spec.norm_in_place ? b.input : b.norm_out,
+                          norm.bytes.size());
+        if (writes_residual_out(spec)) {
+          harness_.download(r, residual_out.data(),
+                            spec.residual_in_place ? b.residual : b.residual_out,
+                            residual_out.bytes.size());
+        }
+        results[c].norm_out.push_back(std::move(norm));
+        results[c].residual_out.push_back(std::move(residual_out));
+      }
+    }
+    return results;
+  }
+
+  CaseResult run(const CaseSpec& spec, const CaseData& data) {
+    return run_batch({spec}, {data}).front();
+  }
+
+  static bool writes_residual_out(const CaseSpec& spec) {
+    return !spec.plain_allreduce && (spec.residual || spec.residual_out);
+  }
+
+ private:
+  struct Buffers {
+    void* input = nullptr;
+    void* residual = nullptr;
+    void* gamma = nullptr;
+    void* residual_out = nullptr;
+    void* norm_out = nullptr;
+    size_t bytes = 0;
+    size_t gamma_bytes = 0;
+  };
+
+  Buffers buffers_for(int set, int rank, size_t bytes, int64_t hidden) {
+    if (pool_.empty()) pool_.assign(sets_, std::vector<Buffers>(harness_.world_size()));
+    Buffers& b = pool_[set][rank];
+    const size_t gamma_bytes = size_t(hidden) * 4;
+    if (b.bytes < bytes || b.gamma_bytes < gamma_bytes) {
+      b.bytes = std::max(bytes, b.bytes * 2);
+      b.gamma_bytes = std::max(gamma_bytes, b.gamma_bytes);
+      b.input = harness_.allocate(rank, b.bytes);
+      b.residual = harness_.allocate(rank, b.bytes);
+      b.residual_out = harness_.allocate(rank, b.bytes);
+      b.norm_out = harness_.allocate(rank, b.bytes);
+      b.gamma = harness_.allocate(rank, b.gamma_bytes);
+    }
+    return b;
+  }
+
+  void call(const CaseSpec& spec, const Buffers& b, int rank, cudaStream_t stream) {
+    const Team& team = harness_.team()[rank];
+    if (spec.plain_allreduce) {
+      allreduce(team, b.input, spec.norm_in_place ? b.input : b.norm_out,
+                spec.tokens * spec.hidden, spec.dtype, stream);
+      return;
+    }
+    AddRmsNormArgs args;
+    args.input = b.input;
+    args.residual = spec.residual ? b.residual : nullptr;
+    args.gamma = b.gamma;
+    args.norm_out = spec.norm_in_place ? b.input : b.norm_out;
+    if (writes_residual_out(spec)) {
+      args.residual_out = spec.residual_in_place ? b.residual : b.residual_out;
+    }
+    args.tokens = spec.tokens;
+    args.hidden = spec.hidden;
+    args.dtype = spec.dtype;
+    args.eps = spec.eps;
+    allreduce_add_rmsnorm(team, args, stream);
+  }
+
+  Harness& harness_;
+  int sets_;
+  std::vector<std::vector<Buffers>> pool_;
+};
+
+// Checks one call's outputs against the float64 reference and across ranks (bitwise).
+inline void expect_correct(const CaseSpec& spec, const CaseData& data, const CaseResult& result) {
+  const double u = unit_roundoff(spec.dtype);
+  const double accumulation = std::ldexp(1.0, -20);  // fp32 sums of <= 17 terms
+  // One ulp of the dtype's subnormals: the absolute rounding error floor.
+  const double tiny16 = spec.dtype == DType::kFloat16    ? std::ldexp(1.0, -24)
+                        : spec.dtype == DType::kBFloat16 ? std::ldexp(1.0, -133)
+                                                         : std::ldexp(1.0, -149);
+  const Reference ref = reference_add_rmsnorm(
+      data.inputs, spec.residual && !spec.plain_allreduce ? &data.residuals[0] : nullptr, data.gamma, spec.tokens,
+      spec.hidden, spec.eps);
+  const size_t count = ref.residual_out.size();
+  std::vector<double> residual_tolerance(count), norm_tolerance(count);
+  for (size_t i = 0; i < count; ++i) {
+    residual_tolerance[i] =
+        u * std::fabs(ref.residual_out[i]) + accumulation * ref.magnitude[i] + tiny16;
+    // The norm sees residual_out rounded (u), the rms of rounded values, and its own rounding;
+    // the fp32 sum of squares over the row adds up to hidden * 2^-24 relative to the variance.
+    const double variance_error = 0.5 * double(spec.hidden) * std::ldexp(1.0, -24);
+    norm_tolerance[i] = (4 * u + variance_error) * std::fabs(ref.norm_out[i]) +
+                        (2 * u + accumulation) * ref.norm_scale[i] + tiny16;
+  }
+  for (size_t r = 0; r < result.norm_out.size(); ++r) {
+    const std::string where = describe(spec) + " rank " + std::to_string(r);
+    if (spec.plain_allreduce) {
+      EXPECT_EQ(compare(result.norm_out[r], ref.residual_out, residual_tolerance, "out"), "")
+          << where;
+      continue;
+    }
+    EXPECT_EQ(compare(result.norm_out[r], ref.norm_out, norm_tolerance, "norm_out"), "") << where;
+    if (OneShotRunner::writes_residual_out(spec)) {
+      EXPECT_EQ(compare(result.residual_out[r], ref.residual_out, residual_tolerance,
+                        "residual_out"),
+                "")
+          << where;
+    }
+  }
+  for (size_t r = 1; r < result.norm_out.size(); ++r) {
+    EXPECT_TRUE(result.norm_out[r].bytes == result.norm_out[0].bytes)
+        << describe(spec) << ": norm_out of rank " << r << " differs in bits from rank 0";
+    EXPECT_TRUE(result.residual_out[r].bytes == result.residual_out[0].bytes)
+        << describe(spec) << ": residual_out of rank " << r << " differs in bits from rank 0";
+  }
+}
+
+inline constexpr std::array<int64_t, 12> kHiddenSizes = {8,    24,   40,   136,  1000, 3072,
+                                                         4096, 5120, 7168, 8192, 12288, 16384};
+inline constexpr std::array<DType, 3> kDTypes = {DType::kBFloat16, DType::kFloat16,
+                                                 DType::kFloat32};
+
+inline CaseSpec random_spec(std::mt19937_64& rng, int64_t max_tokens) {
+  CaseSpec spec;
+  spec.dtype = kDTypes[rng() % kDTypes.size()];
+  spec.hidden = kHiddenSizes[rng() % kHiddenSizes.size()];
+  spec.tokens = 1 + int64_t(rng() % uint64_t(max_tokens));
+  spec.residual = rng() % 4 != 0;
+  spec.residual_out = spec.residual || rng() % 2 == 0;
+  spec.norm_in_place = rng() % 4 == 0;
+  spec.residual_in_place = spec.residual && rng() % 4 == 0;
+  spec.plain_allreduce = rng() % 8 == 0;
+  if (spec.plain_allreduce) spec.residual_in_place = false;
+  spec.eps = rng() % 2 ? 1e-6f : 1e-5f;
+  return spec;
+}
+
+// Random shapes, dtypes, residual forms and in-place use.
+inline void check_random_cases(Harness& harness, uint64_t seed, int cases, int64_t max_tokens) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  for (int c = 0; c < cases; ++c) {
+    const CaseSpec spec = random_spec(rng, max_tokens);
+    const CaseData data = random_case(rng, spec, harness.world_size());
+    expect_correct(spec, data, runner.run(spec, data));
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// The same inputs twice give the same bits.
+inline void check_repeatable(Harness& harness, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  for (DType dtype : kDTypes) {
+    CaseSpec spec;
+    spec.dtype = dtype;
+    spec.tokens = 7;
+    spec.hidden = 4096;
+    const CaseData data = random_case(rng, spec, harness.world_size());
+    const CaseResult first = runner.run(spec, data);
+    for (int repeat = 0; repeat < 4; ++repeat) {
+      const CaseResult again = runner.run(spec, data);
+      for (int r = 0; r < harness.world_size(); ++r) {
+        EXPECT_TRUE(again.norm_out[r].bytes == first.norm_out[r].bytes)
+            << describe(spec) << " repeat " << repeat << " rank " << r;
+        EXPECT_TRUE(again.residual_out[r].bytes == first.residual_out[r].bytes)
+            << describe(spec) << " repeat " << repeat << " rank " << r;
+      }
+    }
+  }
+}
+
+// Payloads built to break a Lamport implementation or an epilogue.
+inline void check_adversarial(Harness& harness, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  const int world = harness.world_size();
+  enum Kind { kSignedZeros, kSentinelBits, kDenormals, kHuge, kInfinities, kNaN, kMixed };
+  for (DType dtype : kDTypes) {
+    for (int kind = kSignedZeros; kind <= kMixed; ++kind) {
+      CaseSpec spec;
+      spec.dtype = dtype;
+      spec.tokens = 5;
+      spec.hidden = 1000;
+      CaseData data = random_case(rng, spec, world);
+      const size_t count = size_t(spec.tokens * spec.hidden);
+      for (int r = 0; r < world; ++r) {
+        HostTensor& in = data.inputs[r];
+        for (size_t i = 0; i < count; ++i) {
+          const bool token_even = (i / size_t(spec.hidden)) % 2 == 0;
+          switch (kind) {
+            case kSignedZeros: in.set(i, (i + r) % 2 ? -0.0 : 0.0); break;
+            case kSentinelBits:
+              // Words equal to 0x80000000: -0.0f in fp32; (+0 low, -0 high) pairs in 16 bits.
+              // Tokens alternate between all-sentinel rows and half-sentinel rows.
+              if (token_even || i % 16 < 8) {
+                if (dtype == DType::kFloat32) {
+                  in.set_bits32(i, 0x80000000u);
+                } else {
+                  in.set_bits16(i, i % 2 ? 0x8000 : 0x0000);
+                }
+              }
+              break;
+            case kDenormals:
+              in.set(i, (dtype == DType::kFloat16 ? 3e-6 : 3e-39) * (in.get(i) > 0 ? 1 : -1) *
+                            double(1 + i % 7));
+              break;
+            case kHuge: in.set(i, in.get(i) * (dtype == DType::kFloat16 ? 1e3 : 1e15)); break;
+            case kInfinities:
+              if (i % 97 == size_t(r)) in.set(i, (i / 97) % 2 ? INFINITY : -INFINITY);
+              break;
+            case kNaN:
+              if (i == size_t(3 * spec.hidden + 17 + r)) in.set(i, NAN);
+              break;
+            case kMixed:
+              if (i % 5 == 0) in.set(i, 0.0);
+              if (i % 5 == 1) in.set(i, -0.0);
+              if (i % 11 == 2) in.set(i, 1e-40);
+              break;
+          }
+        }
+      }
+      if (kind == kSignedZeros || kind == kDenormals) {
+        for (int r = 0; r < world; ++r) data.residuals[r] = data.inputs[0];
+      }
+      if (kind == kHuge) {
+        for (int r = 0; r < world; ++r) {
+          for (size_t i = 0; i < count; ++i) data.residuals[r].set(i, data.inputs[0].get(i));
+        }
+      }
+      SCOPED_TRACE("adversarial kind " + std::to_string(kind));
+      for (bool residual : {true, false}) {
+        spec.residual = residual;
+        expect_correct(spec, data, runner.run(spec, data));
+      }
+      spec.residual = true;
+      spec.plain_allreduce = true;
+      expect_correct(spec, data, runner.run(spec, data));
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+// Back-to-back calls in batches of `batch` (queued without waiting between them on the GPU),
+// shapes growing and shrinking and input scales alternating 1 / 1000 from call to call, so a
+// call that read a stale slot, or a slot not cleared after a bigger call, gets caught.
+inline void check_consecutive_calls(Harness& harness, uint64_t seed, int calls, int batch,
+                                    int64_t max_tokens) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness, batch);
+  int done = 0;
+  while (done < calls) {
+    std::vector<CaseSpec> specs;
+    std::vector<CaseData> data;
+    for (int c = 0; c < batch && done < calls; ++c, ++done) {
+      CaseSpec spec;
+      spec.dtype = done % 50 < 25 ? DType::kBFloat16 : kDTypes[rng() % kDTypes.size()];
+      spec.hidden = done % 3 == 0 ? 3072 : kHiddenSizes[rng() % kHiddenSizes.size()];
+      // Every few calls a large one, then small ones: the clear must cover the large one.
+      spec.tokens = done % 7 == 0 ? max_tokens : 1 + int64_t(rng() % 9);
+      spec.tokens = std::min<int64_t>(spec.tokens, 65536 / spec.hidden + 1);
+      spec.residual = done % 5 != 4;
+      specs.push_back(spec);
+      data.push_back(random_case(rng, spec, harness.world_size(), done % 2 ? 1000.0 : 1.0));
+    }
+    const std::vector<CaseResult> results = runner.run_batch(specs, data);
+    for (size_t c = 0; c < specs.size(); ++c) {
+      SCOPED_TRACE("call " + std::to_string(done - int(specs.size()) + int(c)));
+      expect_correct(specs[c], data[c], results[c]);
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+}  // namespace tpfuse::testing

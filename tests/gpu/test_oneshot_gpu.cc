@@ -1,0 +1,331 @@
+// The one-shot kernel on real GPUs (in-process team over every visible GPU, at least 2): the
+// same properties as the CPU backend, plus CUDA-graph capture and replay, back-to-back calls
+// under programmatic dependent launch, a missing peer, and wrong-device arguments.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "oneshot_properties.h"
+
+#define EXPECT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+namespace tpfuse::testing {
+namespace {
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+class CudaHarness : public Harness {
+ public:
+  explicit CudaHarness(int world_size, const TeamOptions& options = {}) {
+    std::vector<int> devices(world_size);
+    for (int r = 0; r < world_size; ++r) devices[r] = r;
+    team_ = create_cuda_team(devices, options);
+    for (int r = 0; r < world_size; ++r) {
+      check_cuda(cudaSetDevice(r), "cudaSetDevice");
+      cudaStream_t stream;
+      check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+      streams_.push_back(stream);
+    }
+  }
+  ~CudaHarness() override {
+    for (size_t r = 0; r < streams_.size(); ++r) {
+      cudaSetDevice(int(r));
+      cudaStreamSynchronize(streams_[r]);
+      cudaStreamDestroy(streams_[r]);
+    }
+    for (auto& [device, pointer] : blocks_) {
+      cudaSetDevice(device);
+      cudaFree(pointer);
+    }
+  }
+  std::vector<Team>& team() override { return team_; }
+  cudaStream_t stream(int rank) { return streams_[rank]; }
+  void* allocate(int rank, size_t bytes) override {
+    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    void* pointer = nullptr;
+    check_cuda(cudaMalloc(&pointer, bytes), "cudaMalloc");
+    blocks_.emplace_back(rank, pointer);
+    return pointer;
+  }
+  void upload(int rank, void* destination, const void* source, size_t bytes) override {
+    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyHostToDevice, streams_[rank]),
+               "upload");
+    check_cuda(cudaStreamSynchronize(streams_[rank]), "upload sync");
+  }
+  void download(int rank, void* destination, const void* source, size_t bytes) override {
+    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToHost, streams_[rank]),
+               "download");
+    check_cuda(cudaStreamSynchronize(streams_[rank]), "download sync");
+  }
+  void run(const std::function<void(int, cudaStream_t)>& call) override {
+    enqueue(call);
+    synchronize();
+  }
+  // One host thread queues every rank's work; the kernels of different GPUs run concurrently.
+  void enqueue(const std::function<void(int, cudaStream_t)>& call) override {
+    for (int r = 0; r < world_size(); ++r) call(r, streams_[r]);
+  }
+  void synchronize() override {
+    for (int r = 0; r < world_size(); ++r) {
+      check_cuda(cudaSetDevice(r), "cudaSetDevice");
+      check_cuda(cudaStreamSynchronize(streams_[r]), "cudaStreamSynchronize");
+      team_[r].check();
+    }
+  }
+
+ private:
+  std::vector<Team> team_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<std::pair<int, void*>> blocks_;
+};
+
+int gpus() { return std::min(cuda_device_count(), 8); }
+
+class GpuOneShot : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  }
+};
+
+TEST_F(GpuOneShot, MatchesFloat64ReferenceOnRandomCases) {
+  CudaHarness harness(gpus());
+  check_random_cases(harness, 11, 150, 300);
+}
+
+TEST_F(GpuOneShot, RepeatedCallsGiveIdenticalBits) {
+  CudaHarness harness(gpus());
+  check_repeatable(harness, 12);
+}
+
+TEST_F(GpuOneShot, AdversarialPayloads) {
+  CudaHarness harness(gpus());
+  check_adversarial(harness, 13);
+}
+
+TEST_F(GpuOneShot, BackToBackCallsUnderPdlWithAlternatingScales) {
+  CudaHarness harness(gpus());
+  check_consecutive_calls(harness, 14, 3000, 32, 1024);
+}
+
+TEST_F(GpuOneShot, WorldSizesBelowAllGpus) {
+  for (int world = 2; world < gpus(); ++world) {
+    CudaHarness harness(world);
+    check_random_cases(harness, 15 + world, 20, 64);
+  }
+}
+
+TEST_F(GpuOneShot, LargestMessageTheWorkspaceHolds) {
+  CudaHarness harness(gpus());
+  std::mt19937_64 rng(16);
+  OneShotRunner runner(harness);
+  CaseSpec spec;
+  spec.tokens = harness.team()[0].max_tokens(3072, DType::kBFloat16);
+  const CaseData data = random_case(rng, spec, harness.world_size());
+  expect_correct(spec, data, runner.run(spec, data));
+  spec.tokens += 1;
+  EXPECT_THROW(runner.run(spec, random_case(rng, spec, harness.world_size())), Error);
+}
+
+// Each rank captures two back-to-back calls into a CUDA graph (different sizes and buffers);
+// the graphs are replayed 10,000 times on fresh inputs, every replay checked.
+TEST_F(GpuOneShot, CudaGraphReplaysOnFreshInputs) {
+  const int world = gpus();
+  CudaHarness harness(world);
+  std::mt19937_64 rng(17);
+  CaseSpec first, second;
+  first.tokens = 4;
+  second.tokens = 1;
+  second.residual = false;
+  const size_t bytes_first = size_t(first.tokens * first.hidden) * 2;
+  const size_t bytes_second = size_t(second.tokens * second.hidden) * 2;
+  struct RankBuffers {
+    void *input1, *residual1, *gamma, *residual_out1, *norm_out1, *input2, *norm_out2;
+  };
+  std::vector<RankBuffers> buffers(world);
+  CaseData data1 = random_case(rng, first, world);
+  for (int r = 0; r < world; ++r) {
+    RankBuffers& b = buffers[r];
+    b.input1 = harness.allocate(r, bytes_first);
+    b.residual1 = harness.allocate(r, bytes_first);
+    b.residual_out1 = harness.allocate(r, bytes_first);
+    b.norm_out1 = harness.allocate(r, bytes_first);
+    b.gamma = harness.allocate(r, 3072 * 2);
+    b.input2 = harness.allocate(r, bytes_second);
+    b.norm_out2 = harness.allocate(r, bytes_second);
+    harness.upload(r, b.gamma, data1.gamma.data(), 3072 * 2);
+  }
+  std::vector<cudaGraphExec_t> graphs(world);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_CUDA(cudaSetDevice(r));
+    cudaStream_t stream = harness.stream(r);
+    const RankBuffers& b = buffers[r];
+    EXPECT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    AddRmsNormArgs args;
+    args.input = b.input1;
+    args.residual = b.residual1;
+    args.gamma = b.gamma;
+    args.residual_out = b.residual_out1;
+    args.norm_out = b.norm_out1;
+    args.tokens = first.tokens;
+    args.hidden = first.hidden;
+    allreduce_add_rmsnorm(harness.team()[r], args, stream);
+    AddRmsNormArgs args2;
+    args2.input = b.input2;
+    args2.gamma = b.gamma;
+    args2.norm_out = b.norm_out2;
+    args2.tokens = second.tokens;
+    args2.hidden = second.hidden;
+    allreduce_add_rmsnorm(harness.team()[r], args2, stream);
+    cudaGraph_t graph;
+    EXPECT_CUDA(cudaStreamEndCapture(stream, &graph));
+    EXPECT_CUDA(cudaGraphInstantiate(&graphs[r], graph, 0));
+    EXPECT_CUDA(cudaGraphDestroy(graph));
+  }
+  const int replays = 10000;
+  for (int replay = 0; replay < replays; ++replay) {
+    const double scale = replay % 2 ? 1000.0 : 0.001;
+    CaseData d1 = random_case(rng, first, world, scale);
+    d1.gamma = data1.gamma;
+    CaseData d2 = random_case(rng, second, world, 1.0 / scale);
+    d2.gamma = data1.gamma;
+    const HostTensor poison1 = poisoned(first.dtype, size_t(first.tokens * first.hidden));
+    const HostTensor poison2 = poisoned(second.dtype, size_t(second.hidden));
+    for (int r = 0; r < world; ++r) {
+      const RankBuffers& b = buffers[r];
+      harness.upload(r, b.input1, d1.inputs[r].data(), bytes_first);
+      harness.upload(r, b.residual1, d1.residuals[r].data(), bytes_first);
+      harness.upload(r, b.input2, d2.inputs[r].data(), bytes_second);
+      harness.upload(r, b.norm_out1, poison1.data(), bytes_first);
+      harness.upload(r, b.residual_out1, poison1.data(), bytes_first);
+      harness.upload(r, b.norm_out2, poison2.data(), bytes_second);
+    }
+    for (int r = 0; r < world; ++r) {
+      EXPECT_CUDA(cudaSetDevice(r));
+      EXPECT_CUDA(cudaGraphLaunch(graphs[r], harness.stream(r)));
+    }
+    harness.synchronize();
+    CaseResult result1, result2;
+    for (int r = 0; r < world; ++r) {
+      const RankBuffers& b = buffers[r];
+      HostTensor norm1(first.dtype, bytes_first / 2), residual1(first.dtype, bytes_first / 2);
+      HostTensor norm2(second.dtype, bytes_second / 2);
+      harness.download(r, norm1.data(), b.norm_out1, bytes_first);
+      harness.download(r, residual1.data(), b.residual_out1, bytes_first);
+      harness.download(r, norm2.data(), b.norm_out2, bytes_second);
+      result1.norm_out.push_back(norm1);
+      result1.residual_out.push_back(residual1);
+      result2.norm_out.push_back(norm2);
+      result2.residual_out.push_back(HostTensor(second.dtype, bytes_second / 2));
+    }
+    second.residual_out = false;
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    expect_correct(first, d1, result1);
+    expect_correct(second, d2, result2);
+    if (HasFailure()) break;
+  }
+  for (int r = 0; r < world; ++r) {
+    cudaSetDevice(r);
+    cudaGraphExecDestroy(graphs[r]);
+  }
+}
+
+TEST_F(GpuOneShot, MissingPeerIsReportedNotWaitedFor) {
+  TeamOptions options;
+  options.peer_timeout_seconds = 0.5;
+  CudaHarness harness(2, options);
+  void* input = harness.allocate(0, 4096);
+  void* out = harness.allocate(0, 4096);
+  const auto start = std::chrono::steady_clock::now();
+  allreduce(harness.team()[0], input, out, 1024, DType::kBFloat16, harness.stream(0));
+  try {
+    harness.team()[0].check();
+    FAIL() << "rank 0 finished although rank 1 never called";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("rank 1"), std::string::npos) << error.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_THROW(allreduce(harness.team()[0], input, out, 1024, DType::kBFloat16,
+                         harness.stream(0)),
+               Error);
+}
+
+TEST_F(GpuOneShot, WrongDeviceArgumentsAreRejected) {
+  CudaHarness harness(2);
+  void* on_device0 = harness.allocate(0, 4096);
+  void* on_device1 = harness.allocate(1, 4096);
+  std::vector<uint16_t> host(2048);
+  try {
+    allreduce(harness.team()[0], on_device1, on_device0, 1024, DType::kBFloat16,
+              harness.stream(0));
+    FAIL() << "memory of device 1 accepted by rank 0";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("input must be device memory on device 0"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(allreduce(harness.team()[0], host.data(), on_device0, 1024, DType::kBFloat16,
+                         harness.stream(0)),
+               Error);
+  try {
+    allreduce(harness.team()[0], on_device0, on_device0, 1024, DType::kBFloat16,
+              harness.stream(1));
+    FAIL() << "a stream of device 1 accepted by rank 0";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("stream belongs to device 1"), std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  std::mt19937_64 rng(18);
+  for (DType dtype : kDTypes) {
+    for (int64_t hidden : {8, 136, 3072, 7168, 16384}) {
+      for (int64_t tokens : {1, 5, 300}) {
+        CaseSpec spec;
+        spec.dtype = dtype;
+        spec.hidden = hidden;
+        spec.tokens = tokens;
+        const CaseData data = random_case(rng, spec, 1);
+        const size_t bytes = size_t(tokens * hidden) * dtype_size(dtype);
+        void* input = harness.allocate(0, bytes);
+        void* residual = harness.allocate(0, bytes);
+        void* gamma = harness.allocate(0, size_t(hidden) * dtype_size(dtype));
+        void* residual_out = harness.allocate(0, bytes);
+        void* norm_out = harness.allocate(0, bytes);
+        harness.upload(0, input, data.inputs[0].data(), bytes);
+        harness.upload(0, residual, data.residuals[0].data(), bytes);
+        harness.upload(0, gamma, data.gamma.data(), data.gamma.bytes.size());
+        const HostTensor poison = poisoned(dtype, size_t(tokens * hidden));
+        harness.upload(0, residual_out, poison.data(), bytes);
+        harness.upload(0, norm_out, poison.data(), bytes);
+        AddRmsNormArgs args;
+        args.input = input;
+        args.residual = residual;
+        args.gamma = gamma;
+        args.residual_out = residual_out;
+        args.norm_out = norm_out;
+        args.tokens = tokens;
+        args.hidden = hidden;
+        args.dtype = dtype;
+        add_rmsnorm(Backend::kCuda, args, harness.stream(0));
+        CaseResult result;
+        result.norm_out.emplace_back(dtype, size_t(tokens * hidden));
+        result.residual_out.emplace_back(dtype, size_t(tokens * hidden));
+        harness.download(0, result.norm_out[0].data(), norm_out, bytes);
+        harness.download(0, result.residual_out[0].data(), residual_out, bytes);
+        expect_correct(spec, data, result);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tpfuse::testing
