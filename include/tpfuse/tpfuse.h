@@ -98,11 +98,11 @@ bool cuda_available();
 int cuda_device_count();
 
 struct AddRmsNormArgs {
-  const void* input = nullptr;  // [tokens, hidden] this rank's partial sum
+  const void* input = nullptr;     // [tokens, hidden] this rank's partial sum
   const void* residual = nullptr;  // [tokens, hidden] or nullptr: no residual
-  const void* gamma = nullptr;  // [hidden]
-  void* residual_out = nullptr;  // [tokens, hidden]; required with a residual, optional without
-  void* norm_out = nullptr;  // [tokens, hidden]
+  const void* gamma = nullptr;     // [hidden]
+  void* residual_out = nullptr;    // [tokens, hidden]; required with a residual, optional without
+  void* norm_out = nullptr;        // [tokens, hidden]
   int64_t tokens = 0;
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;

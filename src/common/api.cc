@@ -11,34 +11,51 @@ namespace tpfuse {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
   }
   return "unknown";
 }
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
   }
   return 0;
 }
 
 namespace {
 const impl::TeamState& state_of(const Team& team) {
-  if (team.state() == nullptr) throw Error("tpfuse: the Team handle is empty (default-constructed)");
+  if (team.state() == nullptr)
+    throw Error("tpfuse: the Team handle is empty (default-constructed)");
   return *team.state();
 }
 }  // namespace
 
-int Team::rank() const { return state_of(*this).rank; }
-int Team::world_size() const { return state_of(*this).world_size; }
-Backend Team::backend() const { return state_of(*this).backend; }
-int Team::device() const { return state_of(*this).device; }
-size_t Team::packet_bytes() const { return state_of(*this).packet_bytes; }
+int Team::rank() const {
+  return state_of(*this).rank;
+}
+int Team::world_size() const {
+  return state_of(*this).world_size;
+}
+Backend Team::backend() const {
+  return state_of(*this).backend;
+}
+int Team::device() const {
+  return state_of(*this).device;
+}
+size_t Team::packet_bytes() const {
+  return state_of(*this).packet_bytes;
+}
 
 int64_t Team::max_tokens(int64_t hidden, DType dtype) const {
   if (hidden <= 0) return 0;
@@ -62,7 +79,9 @@ void validate_team(const Team& team, const char* op) {
 
 namespace {
 
-bool is_aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+bool is_aligned(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
 
 // Two [bytes]-long ranges either coincide (in-place use) or do not overlap at all.
 bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
@@ -96,9 +115,11 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, Epilogue epilogue, const c
     TPF_CHECK_ARG(args.residual_out != nullptr, op,
                   "residual_out is null but a residual was given (it receives sum + residual)");
   }
-  const std::pair<const char*, const void*> pointers[] = {
-      {"input", args.input},       {"residual", args.residual}, {"gamma", args.gamma},
-      {"residual_out", args.residual_out}, {"norm_out", args.norm_out}};
+  const std::pair<const char*, const void*> pointers[] = {{"input", args.input},
+                                                          {"residual", args.residual},
+                                                          {"gamma", args.gamma},
+                                                          {"residual_out", args.residual_out},
+                                                          {"norm_out", args.norm_out}};
   for (const auto& [name, pointer] : pointers) {
     TPF_CHECK_ARG(pointer == nullptr || is_aligned(pointer), op,
                   name << " must be 16-byte aligned, got " << pointer);

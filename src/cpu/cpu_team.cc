@@ -37,8 +37,12 @@ void* allocate_aligned(size_t bytes) {
   return pointer;
 }
 
-void store_word(uint32_t* word, uint32_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); }
-uint32_t load_word(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+void store_word(uint32_t* word, uint32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+}
+uint32_t load_word(const uint32_t* word) {
+  return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+}
 
 void store_vector(char* address, const Vec16& v) {
   auto* words = reinterpret_cast<uint32_t*>(address);
@@ -77,9 +81,8 @@ Vec16 poll_vector(const char* address, const OneShotParams& p, int sender) {
       const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
       if (p.timeout_ns != 0 && uint64_t(waited_ns) > p.timeout_ns) {
         __atomic_store_n(p.error_flag, uint32_t(1 + sender), __ATOMIC_RELEASE);
-        TPF_FAIL("rank " << p.rank << " waited " << double(waited_ns) * 1e-9
-                         << " s for rank " << sender
-                         << "'s packet: peer did not arrive; the team is now failed");
+        TPF_FAIL("rank " << p.rank << " waited " << double(waited_ns) * 1e-9 << " s for rank "
+                         << sender << "'s packet: peer did not arrive; the team is now failed");
       }
     }
   }
@@ -87,8 +90,7 @@ Vec16 poll_vector(const char* address, const OneShotParams& p, int sender) {
 
 // The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector.
 template <typename T>
-void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue,
-                int64_t token) {
+void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue, int64_t token) {
   constexpr int kElements = Packed<T>::kElements;
   using Lanes = float[kElements];
   const int64_t vectors = p.hidden / kElements;
@@ -224,9 +226,9 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
   const char* op = "create_cpu_team";
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "world_size must be in [1, " << kMaxWorldSize << "], got " << world_size);
-  TPF_CHECK_ARG(options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
-                "options.packet_bytes must be a positive multiple of 16, got "
-                    << options.packet_bytes);
+  TPF_CHECK_ARG(
+      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
   TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
                 "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
   auto memory = std::make_shared<impl::CpuTeamMemory>();
@@ -238,7 +240,8 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
     memory->blocks.push_back(workspace[r]);
     auto* words = reinterpret_cast<uint32_t*>(workspace[r]);
     for (size_t i = 0; i < bytes / 4; ++i) words[i] = impl::kSentinel;
-    auto* control = static_cast<impl::ControlBlock*>(impl::allocate_aligned(sizeof(impl::ControlBlock)));
+    auto* control =
+        static_cast<impl::ControlBlock*>(impl::allocate_aligned(sizeof(impl::ControlBlock)));
     memory->blocks.push_back(control);
     *control = impl::ControlBlock{};
     controls.push_back(control);

@@ -12,16 +12,24 @@ namespace impl {
 void cuda_oneshot(const TeamState&, const OneShotParams&, DType, Epilogue, cudaStream_t) {
   no_cuda("allreduce_add_rmsnorm");
 }
-void cuda_add_rmsnorm(const AddRmsNormArgs&, cudaStream_t) { no_cuda("add_rmsnorm"); }
-void cuda_check(const TeamState&) { no_cuda("Team::check"); }
+void cuda_add_rmsnorm(const AddRmsNormArgs&, cudaStream_t) {
+  no_cuda("add_rmsnorm");
+}
+void cuda_check(const TeamState&) {
+  no_cuda("Team::check");
+}
 void cuda_validate_call(const TeamState&, const AddRmsNormArgs&, cudaStream_t, const char*) {
   no_cuda("validate");
 }
 
 }  // namespace impl
 
-bool cuda_available() { return false; }
-int cuda_device_count() { return 0; }
+bool cuda_available() {
+  return false;
+}
+int cuda_device_count() {
+  return 0;
+}
 std::vector<Team> create_cuda_team(const std::vector<int>&, const TeamOptions&) {
   impl::no_cuda("create_cuda_team");
 }

@@ -67,7 +67,8 @@ __device__ __forceinline__ float block_sum(float value, float* shared_warp_sums)
   const int warp = threadIdx.x / 32;
   const int warps = (blockDim.x + 31) / 32;
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
   if (lane == 0) shared_warp_sums[warp] = value;
   __syncthreads();
   if (warp == 0) {

@@ -48,10 +48,15 @@ namespace {
 // 512 threads at most: leaves 128 registers a thread for the packets and fp32 lanes in flight.
 constexpr int kMaxThreads = 512;
 
-// Waits until every word of a packet vector holds data. The fast path (data already there) is
-// inlined by the caller; this is the slow path, with the bounded wait.
-__device__ __noinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
-                                              uint32_t* error_flag, int sender) {
+// The slow path of a poll: spins until every word of a packet vector holds data, with the
+// bounded wait. On timeout (or when another thread of this rank already timed out) it records
+// the missing sender in the control block (device memory, which later calls read cheaply) and
+// in the host-mapped error flag (which the host reads without synchronizing), and returns what
+// it has: the outputs of a failed call are garbage, and Team::check reports it.
+// Inlined: a call would make the caller save its live registers (spills) around it.
+__device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
+                                                 uint32_t* device_error, uint32_t* host_error,
+                                                 int sender) {
   uint64_t deadline = 0;
   for (uint32_t spins = 1;; ++spins) {
     const Vec16 v = load_packet(address);
@@ -60,51 +65,66 @@ __device__ __noinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t tim
       const uint64_t now = global_timer_ns();
       if (deadline == 0) {
         deadline = now + timeout_ns;
-      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(error_flag) != 0) {
-        // System scope: the flag is host-mapped memory the host reads without synchronizing.
-        atomicCAS_system(error_flag, 0u, uint32_t(1 + sender));
+      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(device_error) != 0) {
+        const uint32_t code = uint32_t(1 + sender);
+        atomicCAS(device_error, 0u, code);
+        // System scope: the host reads this flag while the kernel may still run.
+        atomicCAS_system(host_error, 0u, code);
         return v;
       }
     }
   }
 }
 
-__device__ __forceinline__ Vec16 receive_packet(const Vec16* address, uint64_t timeout_ns,
-                                                uint32_t* error_flag, int sender) {
-  const Vec16 v = load_packet(address);
-  return has_arrived(v) ? v : wait_for_packet(address, timeout_ns, error_flag, sender);
+template <int kVecsPerThread>
+__device__ __forceinline__ bool owns(int i, int64_t vectors) {
+  return threadIdx.x + int64_t(i) * blockDim.x < vectors;
+}
+__device__ __forceinline__ int64_t owned(int i) {
+  return threadIdx.x + int64_t(i) * blockDim.x;
 }
 
-// The epilogue for one token row whose fp32 rank sum each thread holds in `acc`.
+// Loads this thread's vectors of row `row` of `base` (nothing where the thread owns none).
+template <int kVecsPerThread>
+__device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t vectors,
+                                         Vec16 (&out)[kVecsPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    if (owns<kVecsPerThread>(i, vectors)) out[i] = load_vector(base, row + owned(i));
+  }
+}
+
+// The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual
+// and gamma vectors were loaded earlier, while the packets were in flight.
 template <typename T, int kVecsPerThread, Epilogue kEpilogue>
 __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
-                                           const OneShotParams& p, int64_t token,
-                                           int64_t vectors, float* shared_sums) {
+                                           const Vec16 (&residual)[kVecsPerThread],
+                                           const Vec16 (&gamma)[kVecsPerThread],
+                                           const OneShotParams& p, int64_t token, int64_t vectors,
+                                           float* shared_sums) {
   const int64_t row = token * vectors;
   if constexpr (kEpilogue == Epilogue::kSum) {
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v < vectors) store_vector(p.norm_out, row + v, pack<T>(acc[i]));
+      if (owns<kVecsPerThread>(i, vectors)) {
+        store_vector(p.norm_out, row + owned(i), pack<T>(acc[i]));
+      }
     }
   } else {
+    constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
     float sum_squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v < vectors) {
-        constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
-        const Vec16 residual = kHasResidual ? load_vector(p.residual, row + v) : Vec16{};
-        const Vec16 rounded = residual_round<T, kHasResidual>(acc[i], residual, sum_squares);
-        if (p.residual_out != nullptr) store_vector(p.residual_out, row + v, rounded);
+      if (owns<kVecsPerThread>(i, vectors)) {
+        const Vec16 rounded = residual_round<T, kHasResidual>(acc[i], residual[i], sum_squares);
+        if (p.residual_out != nullptr) store_vector(p.residual_out, row + owned(i), rounded);
       }
     }
     const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v < vectors) {
-        store_vector(p.norm_out, row + v, normalize<T>(acc[i], load_vector(p.gamma, v), scale));
+      if (owns<kVecsPerThread>(i, vectors)) {
+        store_vector(p.norm_out, row + owned(i), normalize<T>(acc[i], gamma[i], scale));
       }
     }
   }
@@ -113,7 +133,9 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
 template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParams p) {
   constexpr int kElements = Packed<T>::kElements;
-  uint32_t* const error_flag = p.error_flag;
+  constexpr bool kNorm = kEpilogue != Epilogue::kSum;
+  constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
+  ControlBlock* const control = p.control;
   const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
@@ -123,15 +145,18 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
 
   grid_dependency_wait();
 
+  // 1. Thread 0 reads the control block while every thread loads its first row of input: the
+  // two latencies overlap. Volatile loads: the writer was a previous grid, complete and flushed
+  // (the wait), and L1 must not serve an older copy.
   if (threadIdx.x == 0) {
-    // Plain volatile loads: the writer was a previous grid, complete and flushed (the wait).
-    ControlBlock* control = p.control;
     const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
     shared_slot = slot;
     shared_clear_bytes =
         *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
-    shared_failed = *reinterpret_cast<volatile uint32_t*>(error_flag);
+    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
   }
+  Vec16 input[kVecsPerThread];
+  load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
   __syncthreads();
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
   if (shared_failed != 0) return;
@@ -140,28 +165,27 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   // 2. Send.
   const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v < vectors) {
-        const int64_t index = token * vectors + v;
-        const Vec16 packet = rewrite_sentinel(load_vector(p.input, index));
+      if (!owns<kVecsPerThread>(i, vectors)) continue;
+      const int64_t index = token * vectors + owned(i);
+      const Vec16 packet = rewrite_sentinel(input[i]);
 #pragma unroll
-        for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
-          if (kWorldSize == 0 && r >= world) break;
-          store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + send_offset) + index, packet);
-        }
+      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+        if (kWorldSize == 0 && r >= world) break;
+        store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + send_offset) + index, packet);
       }
     }
   }
 
   // 3. Arrival.
   if (threadIdx.x == 0) {
-    const uint32_t arrived = atomicAdd(&p.control->arrivals, 1u);
+    const uint32_t arrived = atomicAdd(&control->arrivals, 1u);
     if (arrived == gridDim.x - 1) {
-      p.control->arrivals = 0;
-      p.control->slot_bytes[slot] = uint64_t(p.tokens * p.hidden) * sizeof(T);
-      p.control->slot = next_slot(slot);
+      control->arrivals = 0;
+      control->slot_bytes[slot] = uint64_t(p.tokens * p.hidden) * sizeof(T);
+      control->slot = next_slot(slot);
     }
   }
 
@@ -183,31 +207,35 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     }
   }
 
-  // 6. Receive and finish.
-  const char* my_workspace = p.workspace[p.rank];
+  // 6. Receive and finish. The residual and gamma loads are issued before the polls.
+  Vec16 gamma[kVecsPerThread];
+  if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
   const size_t sender_stride = p.packet_bytes;
-  const char* slot_base = my_workspace + packet_offset(slot, 0, world, p.packet_bytes);
+  const char* slot_base = p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 residual[kVecsPerThread];
+    if constexpr (kHasResidual)
+      load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v >= vectors) continue;
-      const int64_t index = token * vectors + v;
+      if (!owns<kVecsPerThread>(i, vectors)) continue;
+      const Vec16* address = reinterpret_cast<const Vec16*>(slot_base) + token * vectors + owned(i);
       if constexpr (kWorldSize > 0) {
         // All W loads in flight before the first use.
         Vec16 packets[kWorldSize];
 #pragma unroll
         for (int r = 0; r < kWorldSize; ++r) {
-          packets[r] = load_packet(
-              reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index);
+          packets[r] = load_packet(reinterpret_cast<const Vec16*>(
+              reinterpret_cast<const char*>(address) + r * sender_stride));
         }
 #pragma unroll
         for (int r = 0; r < kWorldSize; ++r) {
           if (!has_arrived(packets[r])) {
-            packets[r] = wait_for_packet(
-                reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index,
-                p.timeout_ns, error_flag, r);
+            packets[r] =
+                wait_for_packet(reinterpret_cast<const Vec16*>(
+                                    reinterpret_cast<const char*>(address) + r * sender_stride),
+                                p.timeout_ns, &control->error, p.error_flag, r);
           }
         }
         accumulate_first<T>(acc[i], packets[0]);
@@ -215,9 +243,12 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
         for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
       } else {
         for (int r = 0; r < world; ++r) {
-          const Vec16 packet = receive_packet(
-              reinterpret_cast<const Vec16*>(slot_base + r * sender_stride) + index,
-              p.timeout_ns, error_flag, r);
+          const Vec16* sender_address = reinterpret_cast<const Vec16*>(
+              reinterpret_cast<const char*>(address) + r * sender_stride);
+          Vec16 packet = load_packet(sender_address);
+          if (!has_arrived(packet))
+            packet =
+                wait_for_packet(sender_address, p.timeout_ns, &control->error, p.error_flag, r);
           if (r == 0) {
             accumulate_first<T>(acc[i], packet);
           } else {
@@ -226,7 +257,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
         }
       }
     }
-    finish_row<T, kVecsPerThread, kEpilogue>(acc, p, token, vectors, shared_sums);
+    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums);
   }
 }
 
@@ -237,14 +268,19 @@ __global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotP
   __shared__ float shared_sums[33];
   grid_dependency_wait();
   launch_dependents();
+  Vec16 gamma[kVecsPerThread];
+  load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 input[kVecsPerThread], residual[kVecsPerThread];
+    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t v = threadIdx.x + int64_t(i) * blockDim.x;
-      if (v < vectors) accumulate_first<T>(acc[i], load_vector(p.input, token * vectors + v));
+      if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
     }
-    finish_row<T, kVecsPerThread, Epilogue::kAddRmsNorm>(acc, p, token, vectors, shared_sums);
+    finish_row<T, kVecsPerThread, Epilogue::kAddRmsNorm>(acc, residual, gamma, p, token, vectors,
+                                                         shared_sums);
   }
 }
 
@@ -265,18 +301,24 @@ LaunchShape launch_shape(int64_t hidden, size_t element_size) {
 template <typename Fn>
 void dispatch_vecs(int vecs_per_thread, Fn&& fn) {
   switch (vecs_per_thread) {
-    case 1: return fn(IntTag<1>{});
-    case 2: return fn(IntTag<2>{});
-    case 4: return fn(IntTag<4>{});
-    default: return fn(IntTag<8>{});
+    case 1:
+      return fn(IntTag<1>{});
+    case 2:
+      return fn(IntTag<2>{});
+    case 4:
+      return fn(IntTag<4>{});
+    default:
+      return fn(IntTag<8>{});
   }
 }
 
 template <typename Fn>
 void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
   switch (epilogue) {
-    case Epilogue::kSum: return fn(std::integral_constant<Epilogue, Epilogue::kSum>{});
-    case Epilogue::kRmsNorm: return fn(std::integral_constant<Epilogue, Epilogue::kRmsNorm>{});
+    case Epilogue::kSum:
+      return fn(std::integral_constant<Epilogue, Epilogue::kSum>{});
+    case Epilogue::kRmsNorm:
+      return fn(std::integral_constant<Epilogue, Epilogue::kRmsNorm>{});
     case Epilogue::kAddRmsNorm:
       return fn(std::integral_constant<Epilogue, Epilogue::kAddRmsNorm>{});
   }
@@ -337,7 +379,8 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
         constexpr Epilogue kEpilogue = decltype(epilogue_tag)::value;
         dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
           constexpr int kVecs = decltype(vecs_tag)::value;
-          if constexpr (kVecs > 1 && (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
+          if constexpr (kVecs > 1 &&
+                        (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
             TPF_FAIL("no launch shape for hidden " << params.hidden);  // never chosen
           } else {
             launch(oneshot_kernel<T, kWorld, kEpilogue, kVecs>, blocks, shape.threads, stream,

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
 #include <set>
 #include <vector>
 
@@ -41,6 +42,21 @@ struct CudaTeamMemory : TeamMemory {
   }
 };
 
+// Enables access from `device` (current) to `peer` once per process: enabling it twice is an
+// error the runtime reports (and compute-sanitizer flags), so pairs already enabled are skipped.
+void enable_peer_access(int device, int peer) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, int>> enabled;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!enabled.insert({device, peer}).second) return;
+  const cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+  if (status == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();  // enabled by someone else in this process: fine
+  } else {
+    TPF_CHECK_CUDA(status);
+  }
+}
+
 }  // namespace
 
 void cuda_check(const TeamState& team) {
@@ -60,16 +76,22 @@ void cuda_check(const TeamState& team) {
 
 void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
                         const char* op) {
-  if (stream != nullptr) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (stream != nullptr) TPF_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+  // A capturing stream cannot be asked its device; the launch onto it (made on the team's
+  // device) fails with a CUDA error if the stream belongs to another device.
+  if (stream != nullptr && capture == cudaStreamCaptureStatusNone) {
     int stream_device = -1;
     TPF_CHECK_CUDA(cudaStreamGetDevice(stream, &stream_device));
     TPF_CHECK_ARG(stream_device == team.device, op,
                   "stream belongs to device " << stream_device << " but team rank " << team.rank
                                               << " is on device " << team.device);
   }
-  const std::pair<const char*, const void*> pointers[] = {
-      {"input", args.input},       {"residual", args.residual}, {"gamma", args.gamma},
-      {"residual_out", args.residual_out}, {"norm_out", args.norm_out}};
+  const std::pair<const char*, const void*> pointers[] = {{"input", args.input},
+                                                          {"residual", args.residual},
+                                                          {"gamma", args.gamma},
+                                                          {"residual_out", args.residual_out},
+                                                          {"norm_out", args.norm_out}};
   for (const auto& [name, pointer] : pointers) {
     if (pointer == nullptr) continue;
     cudaPointerAttributes attributes{};
@@ -88,7 +110,9 @@ void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaS
 
 }  // namespace impl
 
-bool cuda_available() { return true; }
+bool cuda_available() {
+  return true;
+}
 
 int cuda_device_count() {
   int count = 0;
@@ -104,9 +128,9 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   const int world_size = int(devices.size());
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "devices must name 1 to " << kMaxWorldSize << " GPUs, got " << world_size);
-  TPF_CHECK_ARG(options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
-                "options.packet_bytes must be a positive multiple of 16, got "
-                    << options.packet_bytes);
+  TPF_CHECK_ARG(
+      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
   TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
                 "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
   const int count = cuda_device_count();
@@ -130,12 +154,7 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
                     "device " << devices[i] << " cannot access device " << devices[j]
                               << " as a peer (no P2P between them); use a multi-process team "
                                  "over NCCL instead");
-      const cudaError_t status = cudaDeviceEnablePeerAccess(devices[j], 0);
-      if (status == cudaErrorPeerAccessAlreadyEnabled) {
-        cudaGetLastError();
-      } else {
-        TPF_CHECK_CUDA(status);
-      }
+      impl::enable_peer_access(devices[i], devices[j]);
     }
   }
 
@@ -162,8 +181,8 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     memory->device_allocations.push_back({devices[r], pointer});
     controls[r] = static_cast<impl::ControlBlock*>(pointer);
     TPF_CHECK_CUDA(cudaMemset(pointer, 0, sizeof(impl::ControlBlock)));
-    TPF_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount,
-                                          devices[r]));
+    TPF_CHECK_CUDA(
+        cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount, devices[r]));
     TPF_CHECK_CUDA(cudaDeviceSynchronize());
   }
   TPF_CHECK_CUDA(cudaSetDevice(previous));

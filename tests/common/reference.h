@@ -52,7 +52,9 @@ struct HostTensor {
   void set(size_t i, double x) {
     const float value = float(x);
     switch (dtype) {
-      case DType::kFloat32: std::memcpy(&bytes[i * 4], &value, 4); break;
+      case DType::kFloat32:
+        std::memcpy(&bytes[i * 4], &value, 4);
+        break;
       case DType::kFloat16: {
         const impl::Float16 h = impl::from_float<impl::Float16>(value);
         std::memcpy(&bytes[i * 2], &h, 2);
@@ -88,9 +90,12 @@ inline HostTensor poisoned(DType dtype, size_t count) {
 // Unit roundoff of the dtype: half an ulp relative.
 inline double unit_roundoff(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return std::ldexp(1.0, -24);
-    case DType::kFloat16: return std::ldexp(1.0, -11);
-    case DType::kBFloat16: return std::ldexp(1.0, -8);
+    case DType::kFloat32:
+      return std::ldexp(1.0, -24);
+    case DType::kFloat16:
+      return std::ldexp(1.0, -11);
+    case DType::kBFloat16:
+      return std::ldexp(1.0, -8);
   }
   return 1;
 }
@@ -98,7 +103,7 @@ inline double unit_roundoff(DType dtype) {
 struct Reference {
   std::vector<double> residual_out;  // sum + residual, unrounded
   std::vector<double> norm_out;
-  std::vector<double> magnitude;  // sum of |terms| per element: the scale of rounding errors
+  std::vector<double> magnitude;   // sum of |terms| per element: the scale of rounding errors
   std::vector<double> norm_scale;  // per element: |gamma| * rstd * magnitude
 };
 

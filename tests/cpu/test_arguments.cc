@@ -69,17 +69,21 @@ TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
   expect_rejected([](auto& a) { a.dtype = DType(7); }, "dtype 7");
   expect_rejected([](auto& a) { a.eps = -1.0f; }, "eps");
   expect_rejected([](auto& a) { a.eps = NAN; }, "eps");
-  expect_rejected([this](auto& a) { a.input = buffers_.input + 1; }, "input must be 16-byte aligned");
+  expect_rejected([this](auto& a) { a.input = buffers_.input + 1; },
+                  "input must be 16-byte aligned");
   expect_rejected([this](auto& a) { a.residual = buffers_.residual + 4; },
                   "residual must be 16-byte aligned");
-  expect_rejected([this](auto& a) { a.gamma = buffers_.gamma + 2; }, "gamma must be 16-byte aligned");
+  expect_rejected([this](auto& a) { a.gamma = buffers_.gamma + 2; },
+                  "gamma must be 16-byte aligned");
   expect_rejected([this](auto& a) { a.norm_out = buffers_.input + 8; },
                   "norm_out partially overlaps input");
   expect_rejected([this](auto& a) { a.residual_out = buffers_.residual + 8; },
                   "residual_out partially overlaps residual");
   expect_rejected([this](auto& a) { a.residual_out = buffers_.norm_out; },
                   "residual_out and norm_out are the same");
-  expect_rejected([](auto& a) { a.tokens = 3; }, "tokens 3 x hidden 64 of bfloat16 needs 384 bytes, over the team's packet capacity of 256 bytes (at most 2 tokens");
+  expect_rejected([](auto& a) { a.tokens = 3; },
+                  "tokens 3 x hidden 64 of bfloat16 needs 384 bytes, over the team's packet "
+                  "capacity of 256 bytes (at most 2 tokens");
 }
 
 TEST_F(Arguments, InPlaceIsAcceptedAndEmptyBatchIsANoOp) {

@@ -84,7 +84,9 @@ class CudaHarness : public Harness {
   std::vector<std::pair<int, void*>> blocks_;
 };
 
-int gpus() { return std::min(cuda_device_count(), 8); }
+int gpus() {
+  return std::min(cuda_device_count(), 8);
+}
 
 class GpuOneShot : public ::testing::Test {
  protected:
@@ -250,8 +252,7 @@ TEST_F(GpuOneShot, MissingPeerIsReportedNotWaitedFor) {
     EXPECT_NE(std::string(error.what()).find("rank 1"), std::string::npos) << error.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  EXPECT_THROW(allreduce(harness.team()[0], input, out, 1024, DType::kBFloat16,
-                         harness.stream(0)),
+  EXPECT_THROW(allreduce(harness.team()[0], input, out, 1024, DType::kBFloat16, harness.stream(0)),
                Error);
 }
 
@@ -261,8 +262,7 @@ TEST_F(GpuOneShot, WrongDeviceArgumentsAreRejected) {
   void* on_device1 = harness.allocate(1, 4096);
   std::vector<uint16_t> host(2048);
   try {
-    allreduce(harness.team()[0], on_device1, on_device0, 1024, DType::kBFloat16,
-              harness.stream(0));
+    allreduce(harness.team()[0], on_device1, on_device0, 1024, DType::kBFloat16, harness.stream(0));
     FAIL() << "memory of device 1 accepted by rank 0";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("input must be device memory on device 0"),
@@ -273,8 +273,7 @@ TEST_F(GpuOneShot, WrongDeviceArgumentsAreRejected) {
                          harness.stream(0)),
                Error);
   try {
-    allreduce(harness.team()[0], on_device0, on_device0, 1024, DType::kBFloat16,
-              harness.stream(1));
+    allreduce(harness.team()[0], on_device0, on_device0, 1024, DType::kBFloat16, harness.stream(1));
     FAIL() << "a stream of device 1 accepted by rank 0";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("stream belongs to device 1"), std::string::npos)

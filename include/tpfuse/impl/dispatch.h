@@ -18,9 +18,12 @@ struct TypeTag {
 template <typename Fn>
 decltype(auto) dispatch_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kFloat32: return fn(TypeTag<float>{});
-    case DType::kFloat16: return fn(TypeTag<Float16>{});
-    case DType::kBFloat16: return fn(TypeTag<BFloat16>{});
+    case DType::kFloat32:
+      return fn(TypeTag<float>{});
+    case DType::kFloat16:
+      return fn(TypeTag<Float16>{});
+    case DType::kBFloat16:
+      return fn(TypeTag<BFloat16>{});
   }
   throw Error("tpfuse: unknown dtype " + std::to_string(int(dtype)));
 }
@@ -33,10 +36,14 @@ struct IntTag {
 template <typename Fn>
 decltype(auto) dispatch_world_size(int world_size, Fn&& fn) {
   switch (world_size) {
-    case 2: return fn(IntTag<2>{});
-    case 4: return fn(IntTag<4>{});
-    case 8: return fn(IntTag<8>{});
-    default: return fn(IntTag<0>{});
+    case 2:
+      return fn(IntTag<2>{});
+    case 4:
+      return fn(IntTag<4>{});
+    case 8:
+      return fn(IntTag<8>{});
+    default:
+      return fn(IntTag<0>{});
   }
 }
 

@@ -13,8 +13,8 @@
 namespace tpfuse::impl {
 
 enum class Epilogue : int {
-  kSum = 0,  // out = sum
-  kRmsNorm = 1,  // residual_out (optional) = sum; norm_out = rmsnorm(sum) * gamma
+  kSum = 0,         // out = sum
+  kRmsNorm = 1,     // residual_out (optional) = sum; norm_out = rmsnorm(sum) * gamma
   kAddRmsNorm = 2,  // residual_out = sum + residual; norm_out = rmsnorm(residual_out) * gamma
 };
 

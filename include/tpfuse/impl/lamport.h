@@ -43,16 +43,20 @@ constexpr int kMaxWorld = 16;
 
 // Per-rank control block, in the rank's own memory (never touched by peers).
 struct alignas(16) ControlBlock {
-  uint32_t slot;  // slot of the next call: calls completed modulo kSlots
+  uint32_t slot;      // slot of the next call: calls completed modulo kSlots
   uint32_t arrivals;  // blocks of the current call that have read call_counter
-  uint32_t error;  // CPU backend's error flag (TeamState::error_flag); unused on the GPU
+  uint32_t error;     // nonzero once a call timed out: 1 + the rank that did not arrive
   uint32_t pad;
   uint64_t slot_bytes[kSlots];  // bytes per sender each slot received in its last call
 };
 
-TPF_HOST_DEVICE uint32_t next_slot(uint32_t slot) { return slot + 1 == kSlots ? 0 : slot + 1; }
+TPF_HOST_DEVICE uint32_t next_slot(uint32_t slot) {
+  return slot + 1 == kSlots ? 0 : slot + 1;
+}
 // The slot the previous call used: (slot + 2) % 3.
-TPF_HOST_DEVICE uint32_t slot_to_clear(uint32_t slot) { return slot == 0 ? kSlots - 1 : slot - 1; }
+TPF_HOST_DEVICE uint32_t slot_to_clear(uint32_t slot) {
+  return slot == 0 ? kSlots - 1 : slot - 1;
+}
 
 // Byte offset, inside any rank's workspace, of sender `sender`'s packet in `slot`.
 TPF_HOST_DEVICE size_t packet_offset(uint32_t slot, int sender, int world_size,
@@ -64,7 +68,9 @@ TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
   return size_t(kSlots) * size_t(world_size) * packet_bytes;
 }
 
-TPF_HOST_DEVICE Vec16 sentinel_vector() { return Vec16{{kSentinel, kSentinel, kSentinel, kSentinel}}; }
+TPF_HOST_DEVICE Vec16 sentinel_vector() {
+  return Vec16{{kSentinel, kSentinel, kSentinel, kSentinel}};
+}
 
 // A payload vector as it may be sent: any word equal to the sentinel becomes +0.
 TPF_HOST_DEVICE Vec16 rewrite_sentinel(Vec16 v) {

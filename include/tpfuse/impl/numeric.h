@@ -45,9 +45,13 @@ struct Float16 {
   uint16_t bits;
 };
 
-TPF_HOST_DEVICE float to_float(float x) { return x; }
+TPF_HOST_DEVICE float to_float(float x) {
+  return x;
+}
 
-TPF_HOST_DEVICE float to_float(BFloat16 x) { return bits_float(uint32_t{x.bits} << 16); }
+TPF_HOST_DEVICE float to_float(BFloat16 x) {
+  return bits_float(uint32_t{x.bits} << 16);
+}
 
 TPF_HOST_DEVICE float to_float(Float16 x) {
 #if TPF_ON_DEVICE
@@ -99,7 +103,7 @@ TPF_HOST_DEVICE Float16 from_float<Float16>(float x) {
   const uint32_t u = float_bits(x);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return Float16{uint16_t(sign | 0x7e00u)};  // NaN
+  if (magnitude > 0x7f800000u) return Float16{uint16_t(sign | 0x7e00u)};   // NaN
   if (magnitude >= 0x477ff000u) return Float16{uint16_t(sign | 0x7c00u)};  // rounds to Inf
   if (magnitude < 0x38800000u) {
     // Result is subnormal or zero: round magnitude / 2^-24 to an integer, ties to even.

@@ -1,0 +1,176 @@
+// tpfuse-bench: what the modes (GPU, CPU) share: options, result records, the rank barrier.
+//
+// Every figure is microseconds per op: a batch of back-to-back ops (a CUDA graph on the GPU, a
+// plain loop on the CPU) replayed many times, each replay started by every rank together, the
+// median replay divided by the batch size. Baselines and floors are measured in the same run,
+// the same way, so the table compares like with like.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::bench {
+
+enum class BackendChoice { kAuto, kCuda, kCpu };
+
+struct Options {
+  std::vector<int64_t> hiddens{3072, 4096, 7168};
+  std::vector<int64_t> tokens;  // empty: powers of two up to the mode's default maximum
+  DType dtype = DType::kBFloat16;
+  int world_size = 0;  // 0: the mode's default
+  // 0: the mode's default (the CPU mode takes fewer, so that its default run stays short).
+  int ops_per_graph = 0;
+  int replays = 0;
+  std::string out_path;  // empty: bench/results/<device>-<date>-<commit>.json
+  BackendChoice backend = BackendChoice::kAuto;
+  size_t packet_bytes = size_t{16} << 20;
+};
+
+// Defaults of the GPU mode.
+constexpr int kGpuOpsPerGraph = 20;
+constexpr int kGpuReplays = 50;
+// Graph replays before timing: the first replay uploads the graph and faults in lazy state.
+constexpr int kGpuWarmupReplays = 3;
+constexpr int64_t kGpuMaxDefaultTokens = 4096;
+constexpr int kGpuMaxDefaultWorld = 8;
+// Defaults of the CPU mode: ranks are threads over host memory, and one call at 256 tokens of
+// hidden 7168 takes about 25 ms on 2 cores; these keep the default run under half a minute there.
+constexpr int kCpuOpsPerGraph = 10;
+constexpr int kCpuReplays = 20;
+constexpr int64_t kCpuMaxDefaultTokens = 256;
+constexpr int kCpuDefaultWorld = 2;
+
+// Buffer sets each rank rotates through within a batch, so that consecutive ops never read the
+// buffers the previous op just wrote (which caches would serve).
+constexpr int kBufferSets = 4;
+constexpr float kEps = 1e-6f;
+
+// One measured figure. Fields shared by every record of a run are in RunInfo.
+struct Record {
+  std::string op;  // "allreduce_add_rmsnorm", "allreduce", "add_rmsnorm", "floor"
+  std::string impl;
+  int64_t hidden = 0;
+  int64_t tokens = 0;
+  int world_size = 1;
+  double us = 0.0;                    // microseconds per op, rank 0's median replay
+  std::optional<double> us_max_rank;  // the slowest rank's median replay
+  std::optional<double> gbps;         // bandwidth floors only
+  std::optional<int64_t> bytes;       // bandwidth floors only
+  std::optional<bool> pdl;            // tpfuse kernels on the GPU: programmatic dependent launch on
+  std::string method;                 // empty: the run's method (RunInfo::method)
+};
+
+// What is the same for every record of a run. Empty strings are left out of the JSON.
+struct RunInfo {
+  std::string dtype;
+  std::string gpu;
+  std::string driver;
+  std::string cuda;
+  std::string nccl;
+  std::string host_cpu;
+  std::string commit;
+  std::string date;     // UTC, ISO 8601
+  std::string backend;  // "cuda" or "cpu"
+  std::string method;
+  int ops_per_graph = 0;
+  int replays = 0;
+};
+
+// Thrown in every waiting rank thread once another rank thread has failed and aborted the
+// barrier, so that no thread waits forever for a rank that is gone.
+class BarrierAborted : public std::runtime_error {
+ public:
+  BarrierAborted() : std::runtime_error("tpfuse-bench: another rank thread failed") {}
+};
+
+// A reusable barrier for the rank threads (std::barrier is C++20).
+class RankBarrier {
+ public:
+  explicit RankBarrier(int parties) : parties_(parties) {}
+
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (aborted_) throw BarrierAborted();
+    const uint64_t generation = generation_;
+    if (++arrived_ == parties_) {
+      arrived_ = 0;
+      ++generation_;
+      released_.notify_all();
+      return;
+    }
+    released_.wait(lock, [&] { return generation_ != generation || aborted_; });
+    if (generation_ == generation) throw BarrierAborted();
+  }
+
+  void abort() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    aborted_ = true;
+    released_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable released_;
+  const int parties_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
+};
+
+// The token counts measured for one width: the requested (or default) counts that the one-shot
+// workspace holds. Dropped counts are reported on stderr.
+std::vector<int64_t> tokens_for_hidden(const Options& options, int64_t hidden, int64_t max_tokens,
+                                       int64_t default_max_tokens);
+
+double median(std::vector<double> values);
+
+// Runs body(rank) on one thread per rank and joins them. A rank that fails aborts the barrier so
+// that its peers stop waiting for it; its error is rethrown here once every thread has ended.
+void run_rank_threads(int world_size, RankBarrier& barrier,
+                      const std::function<void(int rank)>& body);
+
+// One record per measurement from the rank threads' lists (the same measurements in the same
+// order on every rank): rank 0's median as `us` and, where several ranks took part, the slowest
+// rank's median as `us_max_rank`. Ranks that sat a measurement out hold NaN.
+std::vector<Record> merge_ranks(const std::vector<std::vector<Record>>& per_rank);
+
+// Random values in [low, high), never zero, written as `dtype`: deterministic in `seed`.
+void fill_random_host(void* data, int64_t count, DType dtype, uint64_t seed, float low, float high);
+
+// Host memory aligned for the 16-byte vectors the kernels and the CPU backend use.
+struct AlignedBuffer {
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(size_t bytes);
+  AlignedBuffer(AlignedBuffer&& other) noexcept : data(other.data) { other.data = nullptr; }
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    if (this != &other) {
+      std::free(data);
+      data = other.data;
+      other.data = nullptr;
+    }
+    return *this;
+  }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  ~AlignedBuffer();
+  void* data = nullptr;
+};
+
+// Modes. Each fills `info` with the device fields and returns the records in measuring order.
+std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info);
+std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info);
+
+// Output.
+void write_json(const std::string& path, const RunInfo& info, const std::vector<Record>& records);
+void print_table(const RunInfo& info, const std::vector<Record>& records);
+
+}  // namespace tpfuse::bench

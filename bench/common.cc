@@ -1,0 +1,108 @@
+// Helpers both modes use.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <thread>
+
+#include "bench.h"
+#include "random_values.h"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/numeric.h"
+
+namespace tpfuse::bench {
+
+std::vector<int64_t> tokens_for_hidden(const Options& options, int64_t hidden, int64_t max_tokens,
+                                       int64_t default_max_tokens) {
+  std::vector<int64_t> requested = options.tokens;
+  if (requested.empty()) {
+    for (int64_t tokens = 1; tokens <= default_max_tokens; tokens *= 2) requested.push_back(tokens);
+  }
+  std::vector<int64_t> kept;
+  for (int64_t tokens : requested) {
+    if (tokens <= max_tokens) {
+      kept.push_back(tokens);
+    } else if (!options.tokens.empty()) {
+      // Only an explicit request deserves a warning: the default list is meant to be capped.
+      std::fprintf(stderr,
+                   "tpfuse-bench: skipping %lld tokens at hidden %lld: the one-shot workspace "
+                   "holds at most %lld (raise --packet-mib)\n",
+                   static_cast<long long>(tokens), static_cast<long long>(hidden),
+                   static_cast<long long>(max_tokens));
+    }
+  }
+  return kept;
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  const size_t middle = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + middle, values.end());
+  if (values.size() % 2 == 1) return values[middle];
+  const double upper = values[middle];
+  const double lower = *std::max_element(values.begin(), values.begin() + middle);
+  return 0.5 * (lower + upper);
+}
+
+void fill_random_host(void* data, int64_t count, DType dtype, uint64_t seed, float low,
+                      float high) {
+  impl::dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* out = static_cast<T*>(data);
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = impl::from_float<T>(random_value(seed, uint64_t(i), low, high));
+    }
+  });
+}
+
+void run_rank_threads(int world_size, RankBarrier& barrier,
+                      const std::function<void(int rank)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world_size));
+  std::vector<std::thread> threads;
+  threads.reserve(size_t(world_size));
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank);
+      } catch (const BarrierAborted&) {
+        // Another rank failed first; its error is the one reported.
+      } catch (...) {
+        errors[size_t(rank)] = std::current_exception();
+        barrier.abort();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const auto& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+std::vector<Record> merge_ranks(const std::vector<std::vector<Record>>& per_rank) {
+  std::vector<Record> merged = per_rank.at(0);
+  for (size_t i = 0; i < merged.size(); ++i) {
+    if (merged[i].world_size < 2) continue;
+    double slowest = merged[i].us;
+    for (const auto& records : per_rank) {
+      if (i < records.size() && std::isfinite(records[i].us)) {
+        slowest = std::max(slowest, records[i].us);
+      }
+    }
+    merged[i].us_max_rank = slowest;
+  }
+  return merged;
+}
+
+AlignedBuffer::AlignedBuffer(size_t bytes) {
+  // 64 bytes: a cache line, so that no two ranks' buffers share one.
+  const size_t rounded = std::max<size_t>(64, (bytes + 63) / 64 * 64);
+  data = std::aligned_alloc(64, rounded);
+  if (data == nullptr) throw Error("tpfuse-bench: out of host memory");
+}
+
+AlignedBuffer::~AlignedBuffer() {
+  std::free(data);
+}
+
+}  // namespace tpfuse::bench

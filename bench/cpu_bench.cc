@@ -1,0 +1,201 @@
+// CPU mode of tpfuse-bench: the CPU backend, ranks as threads over host memory.
+//
+// These are figures of the CPU backend (the same protocol and epilogue code as the GPU kernels,
+// run by threads): useful to see the driver work and to compare CPU-backend changes, never to be
+// read as GPU figures. The method mirrors the GPU mode without graphs: ops_per_graph calls back
+// to back, replays started by every rank together, std::chrono around each replay, the median
+// replay / ops_per_graph.
+//
+// WARNING: the one-shot op is a collective: every rank thread makes the same calls in the same
+// order (see gpu_bench.cu); the rank-0-only local measurement still takes every barrier.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+
+namespace tpfuse::bench {
+namespace {
+
+struct HostBufferSet {
+  AlignedBuffer input;
+  AlignedBuffer residual;
+  AlignedBuffer residual_out;
+  AlignedBuffer norm_out;
+};
+
+struct CpuPlan {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
+  size_t buffer_bytes = 0;
+  int64_t max_hidden = 0;
+  int ops_per_graph = 0;
+  int replays = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+// The warm-up is one batch: the CPU has no graph to instantiate, only caches and pages to touch.
+constexpr int kWarmupBatches = 1;
+
+std::string host_cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+    }
+  }
+  return "";
+}
+
+// Median batch of `ops` calls of `call` (buffer sets rotating), in µs per op. Inactive ranks
+// return NaN but take part in every barrier.
+double measure_batches(RankBarrier& barrier, const CpuPlan& plan, bool active,
+                       const std::array<HostBufferSet, kBufferSets>& sets,
+                       const std::function<void(const HostBufferSet&)>& call) {
+  barrier.arrive_and_wait();
+  if (active) {
+    for (int batch = 0; batch < kWarmupBatches; ++batch) {
+      for (int i = 0; i < plan.ops_per_graph; ++i) call(sets[size_t(i % kBufferSets)]);
+    }
+  }
+  std::vector<double> per_op_us;
+  for (int replay = 0; replay < plan.replays; ++replay) {
+    barrier.arrive_and_wait();
+    if (!active) continue;
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < plan.ops_per_graph; ++i) call(sets[size_t(i % kBufferSets)]);
+    const auto stop = std::chrono::steady_clock::now();
+    per_op_us.push_back(std::chrono::duration<double, std::micro>(stop - start).count() /
+                        plan.ops_per_graph);
+  }
+  return active ? median(per_op_us) : std::numeric_limits<double>::quiet_NaN();
+}
+
+AddRmsNormArgs fused_args(const HostBufferSet& set, const void* gamma, int64_t hidden,
+                          int64_t tokens, DType dtype) {
+  AddRmsNormArgs args;
+  args.input = set.input.data;
+  args.residual = set.residual.data;
+  args.gamma = gamma;
+  args.residual_out = set.residual_out.data;
+  args.norm_out = set.norm_out.data;
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.dtype = dtype;
+  args.eps = kEps;
+  return args;
+}
+
+void run_rank(const Team& team, RankBarrier& barrier, const CpuPlan& plan,
+              std::vector<Record>& records) {
+  const int rank = team.rank();
+  const bool is_rank0 = rank == 0;
+  const int64_t elements = int64_t(plan.buffer_bytes / dtype_size(plan.dtype));
+  std::array<HostBufferSet, kBufferSets> sets;
+  for (int s = 0; s < kBufferSets; ++s) {
+    HostBufferSet& set = sets[size_t(s)];
+    const uint64_t seed = uint64_t(rank) * 1000 + uint64_t(s) * 10;
+    set.input = AlignedBuffer(plan.buffer_bytes);
+    set.residual = AlignedBuffer(plan.buffer_bytes);
+    set.residual_out = AlignedBuffer(plan.buffer_bytes);
+    set.norm_out = AlignedBuffer(plan.buffer_bytes);
+    fill_random_host(set.input.data, elements, plan.dtype, seed + 1, -1.0f, 1.0f);
+    fill_random_host(set.residual.data, elements, plan.dtype, seed + 2, -1.0f, 1.0f);
+    fill_random_host(set.residual_out.data, elements, plan.dtype, seed + 3, -1.0f, 1.0f);
+    fill_random_host(set.norm_out.data, elements, plan.dtype, seed + 4, -1.0f, 1.0f);
+  }
+  // The same gamma on every rank, as a replicated norm weight is in tensor-parallel models.
+  AlignedBuffer gamma(size_t(plan.max_hidden) * dtype_size(plan.dtype));
+  fill_random_host(gamma.data, plan.max_hidden, plan.dtype, 4, 0.5f, 1.5f);
+
+  auto add = [&](const char* op, const char* impl, int64_t hidden, int64_t tokens, int world,
+                 double us) {
+    Record record;
+    record.op = op;
+    record.impl = impl;
+    record.hidden = hidden;
+    record.tokens = tokens;
+    record.world_size = world;
+    record.us = us;
+    records.push_back(record);
+    return us;
+  };
+
+  for (const auto& shape : plan.shapes) {
+    // Plain variables, not a structured binding: the measuring lambdas capture them (C++17).
+    const int64_t hidden = shape.first;
+    for (const int64_t tokens : shape.second) {
+      const double fused_us = measure_batches(barrier, plan, true, sets, [&](const auto& set) {
+        allreduce_add_rmsnorm(team, fused_args(set, gamma.data, hidden, tokens, plan.dtype));
+      });
+      team.check();
+      add("allreduce_add_rmsnorm", "tpfuse_oneshot_cpu", hidden, tokens, team.world_size(),
+          fused_us);
+
+      const double local_us = measure_batches(barrier, plan, is_rank0, sets, [&](const auto& set) {
+        add_rmsnorm(Backend::kCpu, fused_args(set, gamma.data, hidden, tokens, plan.dtype));
+      });
+      add("add_rmsnorm", "cpu_local_add_rmsnorm", hidden, tokens, 1, local_us);
+
+      if (is_rank0) {
+        std::fprintf(stderr,
+                     "hidden %lld tokens %lld (us/op, rank 0):  tpfuse_oneshot_cpu %.2f  "
+                     "cpu_local_add_rmsnorm %.2f\n",
+                     static_cast<long long>(hidden), static_cast<long long>(tokens), fused_us,
+                     local_us);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info) {
+  const int world_size = options.world_size > 0 ? options.world_size : kCpuDefaultWorld;
+  TeamOptions team_options;
+  team_options.packet_bytes = options.packet_bytes;
+  const std::vector<Team> team = create_cpu_team(world_size, team_options);
+
+  CpuPlan plan;
+  plan.dtype = options.dtype;
+  plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kCpuOpsPerGraph;
+  plan.replays = options.replays > 0 ? options.replays : kCpuReplays;
+  for (const int64_t hidden : options.hiddens) {
+    const int64_t max_tokens = team[0].max_tokens(hidden, options.dtype);
+    std::vector<int64_t> tokens =
+        tokens_for_hidden(options, hidden, max_tokens, kCpuMaxDefaultTokens);
+    if (tokens.empty()) continue;
+    const int64_t most = *std::max_element(tokens.begin(), tokens.end());
+    plan.buffer_bytes =
+        std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
+    plan.max_hidden = std::max(plan.max_hidden, hidden);
+    plan.shapes.emplace_back(hidden, std::move(tokens));
+  }
+
+  info.gpu = "cpu";
+  info.host_cpu = host_cpu_model();
+  info.backend = "cpu";
+  info.ops_per_graph = plan.ops_per_graph;
+  info.replays = plan.replays;
+  info.method = std::to_string(plan.ops_per_graph) +
+                " back-to-back calls per replay timed with std::chrono::steady_clock, median of " +
+                std::to_string(plan.replays) + " replays";
+  std::fprintf(stderr, "CPU mode: %d rank threads, %s, %s\n", world_size, dtype_name(options.dtype),
+               info.method.c_str());
+
+  RankBarrier barrier(world_size);
+  std::vector<std::vector<Record>> per_rank(static_cast<size_t>(world_size));
+  run_rank_threads(world_size, barrier, [&](int rank) {
+    run_rank(team[size_t(rank)], barrier, plan, per_rank[size_t(rank)]);
+  });
+  return merge_ranks(per_rank);
+}
+
+}  // namespace tpfuse::bench

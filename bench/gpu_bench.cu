@@ -1,0 +1,505 @@
+// GPU mode of tpfuse-bench: one process drives W GPUs, one host thread per rank.
+//
+// Method, the same for every impl: after one eager call, each rank thread captures a CUDA graph of
+// ops_per_graph back-to-back ops on its own stream, rotating among kBufferSets buffer sets; the
+// graph is replayed kGpuWarmupReplays times, then `replays` times, every replay started by all rank
+// threads together (a host barrier) and timed with events on the rank's stream. A figure is the
+// median replay / ops_per_graph: rank 0's as `us`, the slowest rank's as `us_max_rank`.
+//
+// WARNING: tpfuse's one-shot ops are collectives over a Lamport protocol whose slot rotation is
+// driven by per-rank call counters. Every rank must make the same calls in the same order, the
+// same number of times: a rank that skips a replay (or a warm-up) leaves its peers polling for
+// packets that never come, until the peer timeout fails the team. So every rank thread runs
+// exactly the same sequence below; a rank that only measures something local (the tpfuse_local
+// row) still takes part in every barrier.
+#include <cuda_runtime.h>
+#if TPFUSE_BENCH_NCCL
+#include <nccl.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bench.h"
+#include "common/error.h"
+#include "gpu_kernels.h"
+
+namespace tpfuse::bench {
+namespace {
+
+// Floors: the iterations and repeats the shared probes used, so figures stay comparable.
+constexpr int kPingPongIterations = 20000;
+constexpr int kPingPongRepeats = 5;
+constexpr size_t kPeerCopyBytes = size_t{256} << 20;
+constexpr int kPeerCopyRepeats = 10;
+
+// Seeds per buffer role; each rank and buffer set adds its own offset so no two buffers match.
+constexpr uint64_t kSeedInput = 1;
+constexpr uint64_t kSeedResidual = 2;
+constexpr uint64_t kSeedOutputs = 3;
+constexpr uint64_t kSeedGamma = 4;
+
+struct DeviceBufferSet {
+  void* input = nullptr;
+  void* residual = nullptr;
+  void* residual_out = nullptr;
+  void* norm_out = nullptr;
+};
+
+// What every rank thread measures: widths with their token counts, and buffer sizes.
+struct GpuPlan {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
+  size_t buffer_bytes = 0;
+  int64_t max_hidden = 0;
+  int ops_per_graph = 0;
+  int replays = 0;
+  DType dtype = DType::kBFloat16;
+  bool pdl = true;
+};
+
+// The library reads TPFUSE_DISABLE_PDL once; the same rule here labels the records.
+bool tpfuse_pdl_enabled() {
+  const char* value = std::getenv("TPFUSE_DISABLE_PDL");
+  return value == nullptr || value[0] == '\0' || value[0] == '0';
+}
+
+std::string version_string(int version, int major_divisor, int minor_divisor) {
+  return std::to_string(version / major_divisor) + "." +
+         std::to_string((version % major_divisor) / minor_divisor);
+}
+
+#if TPFUSE_BENCH_NCCL
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kFloat16:
+      return ncclFloat16;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+  }
+  TPF_FAIL("no NCCL type for dtype " << int(dtype));
+}
+
+std::string nccl_version_string() {
+  int version = 0;
+  TPF_CHECK_NCCL(ncclGetVersion(&version));
+  // Codes are X*1000+Y*100+Z up to 2.8 and X*10000+Y*100+Z after.
+  const bool old_scheme = version < 20900;
+  const int major = old_scheme ? version / 1000 : version / 10000;
+  const int minor = old_scheme ? (version % 1000) / 100 : (version % 10000) / 100;
+  const int patch = version % 100;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
+}
+#endif
+
+// One rank's device resources, made on and owned by the rank's thread (its device current).
+class GpuRank {
+ public:
+  GpuRank(const Team& team, const GpuPlan& plan, const void* nccl_id) : team_(team) {
+    device_ = team.device();
+    try {
+      initialize(plan, nccl_id);
+    } catch (...) {
+      release(false);
+      throw;
+    }
+  }
+
+  ~GpuRank() { release(!failed_ && std::uncaught_exceptions() == 0); }
+
+  GpuRank(const GpuRank&) = delete;
+  GpuRank& operator=(const GpuRank&) = delete;
+
+  void mark_failed() { failed_ = true; }
+
+  const Team& team() const { return team_; }
+  int rank() const { return team_.rank(); }
+  cudaStream_t stream() const { return stream_; }
+  const void* gamma() const { return gamma_; }
+#if TPFUSE_BENCH_NCCL
+  ncclComm_t comm() const {
+    return comm_;
+  }
+#endif
+
+  // Median replay of a graph of `ops` calls of `enqueue` (buffer sets rotating), in µs per op.
+  // Inactive ranks return NaN but take part in every barrier.
+  double measure(RankBarrier& barrier, const GpuPlan& plan, bool active,
+                 const std::function<void(const DeviceBufferSet&)>& enqueue) {
+    if (active) {
+      // One eager call first, outside the capture: NCCL sets up connections lazily at a comm's
+      // first use of an algorithm, and tpfuse's argument checks query the stream; a capturing
+      // thread may do neither (seen on an H200 pair: ncclAllReduce failed with an internal
+      // error, cudaStreamGetDevice with cudaErrorStreamCaptureUnsupported).
+      enqueue(sets_[0]);
+      TPF_CHECK_CUDA(cudaStreamSynchronize(stream_));
+    }
+    cudaGraphExec_t exec = active ? capture(plan.ops_per_graph, enqueue) : nullptr;
+    struct ExecGuard {
+      cudaGraphExec_t exec;
+      ~ExecGuard() {
+        if (exec != nullptr) cudaGraphExecDestroy(exec);
+      }
+    } guard{exec};
+
+    barrier.arrive_and_wait();
+    if (active) {
+      for (int i = 0; i < kGpuWarmupReplays; ++i) TPF_CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+      TPF_CHECK_CUDA(cudaStreamSynchronize(stream_));
+    }
+    std::vector<double> per_op_us;
+    per_op_us.reserve(size_t(plan.replays));
+    for (int replay = 0; replay < plan.replays; ++replay) {
+      barrier.arrive_and_wait();
+      if (!active) continue;
+      TPF_CHECK_CUDA(cudaEventRecord(start_, stream_));
+      TPF_CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+      TPF_CHECK_CUDA(cudaEventRecord(stop_, stream_));
+      TPF_CHECK_CUDA(cudaEventSynchronize(stop_));
+      float ms = 0.0f;
+      TPF_CHECK_CUDA(cudaEventElapsedTime(&ms, start_, stop_));
+      per_op_us.push_back(double(ms) * 1000.0 / plan.ops_per_graph);
+    }
+    return active ? median(per_op_us) : std::numeric_limits<double>::quiet_NaN();
+  }
+
+ private:
+  void initialize(const GpuPlan& plan, const void* nccl_id) {
+    TPF_CHECK_CUDA(cudaSetDevice(device_));
+#if TPFUSE_BENCH_NCCL
+    // First, so that a rank failing below cannot leave its peers waiting in ncclCommInitRank.
+    TPF_CHECK_NCCL(ncclCommInitRank(&comm_, team_.world_size(),
+                                    *static_cast<const ncclUniqueId*>(nccl_id), team_.rank()));
+#else
+    (void)nccl_id;
+#endif
+    TPF_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    TPF_CHECK_CUDA(cudaEventCreate(&start_));
+    TPF_CHECK_CUDA(cudaEventCreate(&stop_));
+    const uint64_t rank_seed = uint64_t(team_.rank()) * 1000;
+    const int64_t elements = int64_t(plan.buffer_bytes / dtype_size(plan.dtype));
+    for (int s = 0; s < kBufferSets; ++s) {
+      DeviceBufferSet& set = sets_[s];
+      const uint64_t set_seed = rank_seed + uint64_t(s) * 10;
+      set.input = allocate(plan.buffer_bytes);
+      set.residual = allocate(plan.buffer_bytes);
+      set.residual_out = allocate(plan.buffer_bytes);
+      set.norm_out = allocate(plan.buffer_bytes);
+      fill_random_device(set.input, elements, plan.dtype, set_seed + kSeedInput, -1.0f, 1.0f,
+                         stream_);
+      fill_random_device(set.residual, elements, plan.dtype, set_seed + kSeedResidual, -1.0f, 1.0f,
+                         stream_);
+      // Outputs too: every page is touched before timing, whatever the first op writes.
+      fill_random_device(set.residual_out, elements, plan.dtype, set_seed + kSeedOutputs, -1.0f,
+                         1.0f, stream_);
+      fill_random_device(set.norm_out, elements, plan.dtype, set_seed + kSeedOutputs + 1, -1.0f,
+                         1.0f, stream_);
+    }
+    gamma_ = allocate(size_t(plan.max_hidden) * dtype_size(plan.dtype));
+    fill_random_device(gamma_, plan.max_hidden, plan.dtype, kSeedGamma, 0.5f, 1.5f, stream_);
+    TPF_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  // Frees what was made; `clean` is false after a failure, when waiting could hang.
+  void release(bool clean) {
+    cudaSetDevice(device_);
+#if TPFUSE_BENCH_NCCL
+    if (comm_ != nullptr) {
+      // After a failure a peer may never join the comm's pending work: abort, do not wait.
+      if (clean) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
+    }
+#endif
+    if (clean && stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (void* pointer : allocations_) cudaFree(pointer);
+    allocations_.clear();
+    if (start_ != nullptr) cudaEventDestroy(start_);
+    if (stop_ != nullptr) cudaEventDestroy(stop_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    start_ = stop_ = nullptr;
+    stream_ = nullptr;
+  }
+
+  void* allocate(size_t bytes) {
+    void* pointer = nullptr;
+    TPF_CHECK_CUDA(cudaMalloc(&pointer, std::max<size_t>(bytes, 16)));
+    allocations_.push_back(pointer);
+    return pointer;
+  }
+
+  cudaGraphExec_t capture(int ops, const std::function<void(const DeviceBufferSet&)>& enqueue) {
+    // Thread-local capture: the other rank threads keep calling the runtime meanwhile.
+    TPF_CHECK_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      for (int i = 0; i < ops; ++i) enqueue(sets_[i % kBufferSets]);
+    } catch (...) {
+      // End the capture so the stream is usable again; the error in flight is the one to report.
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(stream_, &partial);
+      if (partial != nullptr) cudaGraphDestroy(partial);
+      cudaGetLastError();
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    TPF_CHECK_CUDA(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    TPF_CHECK_CUDA(instantiated);
+    return exec;
+  }
+
+  Team team_;
+  int device_ = 0;
+  bool failed_ = false;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr;
+  cudaEvent_t stop_ = nullptr;
+#if TPFUSE_BENCH_NCCL
+  ncclComm_t comm_ = nullptr;
+#endif
+  std::array<DeviceBufferSet, kBufferSets> sets_{};
+  void* gamma_ = nullptr;
+  std::vector<void*> allocations_;
+};
+
+AddRmsNormArgs fused_args(const DeviceBufferSet& set, const void* gamma, int64_t hidden,
+                          int64_t tokens, DType dtype) {
+  AddRmsNormArgs args;
+  args.input = set.input;
+  args.residual = set.residual;
+  args.gamma = gamma;
+  args.residual_out = set.residual_out;
+  args.norm_out = set.norm_out;
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.dtype = dtype;
+  args.eps = kEps;
+  return args;
+}
+
+// Everything one rank thread measures, in the one order every rank follows.
+void run_rank(GpuRank& gpu, RankBarrier& barrier, const GpuPlan& plan,
+              std::vector<Record>& records) {
+  const Team& team = gpu.team();
+  const int world_size = team.world_size();
+  const bool is_rank0 = gpu.rank() == 0;
+  const DType dtype = plan.dtype;
+  cudaStream_t stream = gpu.stream();
+
+  auto add = [&](const char* op, const char* impl, int64_t hidden, int64_t tokens, int world,
+                 double us, bool tpfuse_kernel) {
+    Record record;
+    record.op = op;
+    record.impl = impl;
+    record.hidden = hidden;
+    record.tokens = tokens;
+    record.world_size = world;
+    record.us = us;
+    if (tpfuse_kernel) record.pdl = plan.pdl;
+    records.push_back(record);
+    return us;
+  };
+
+  for (const auto& shape : plan.shapes) {
+    // Plain variables, not a structured binding: the measuring lambdas capture them (C++17).
+    const int64_t hidden = shape.first;
+    for (const int64_t tokens : shape.second) {
+      const int64_t count = tokens * hidden;
+      std::string progress;
+      auto note = [&](const char* label, double us) {
+        char text[64];
+        std::snprintf(text, sizeof(text), "  %s %.2f", label, us);
+        progress += text;
+      };
+
+      // The fused op: all-reduce + residual add + RMSNorm in one tpfuse kernel per rank.
+      double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        allreduce_add_rmsnorm(team, fused_args(set, gpu.gamma(), hidden, tokens, dtype), stream);
+      });
+      team.check();
+      note("tpfuse_oneshot",
+           add("allreduce_add_rmsnorm", "tpfuse_oneshot", hidden, tokens, world_size, us, true));
+
+#if TPFUSE_BENCH_NCCL
+      // The honest baseline: NCCL all-reduce, then the local fused add + RMSNorm kernel, as an
+      // unfused model runs it (out-of-place all-reduce, the norm in place on its output). Being
+      // out of place also keeps the inputs from growing replay after replay.
+      us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), nccl_type(dtype),
+                                     ncclSum, gpu.comm(), stream));
+        AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+        args.input = set.norm_out;
+        add_rmsnorm(Backend::kCuda, args, stream);
+      });
+      note("nccl_ar+local", add("allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm", hidden,
+                                tokens, world_size, us, false));
+#endif
+
+      us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        allreduce(team, set.input, set.norm_out, count, dtype, stream);
+      });
+      team.check();
+      note("tpfuse_ar", add("allreduce", "tpfuse_oneshot", hidden, tokens, world_size, us, true));
+
+#if TPFUSE_BENCH_NCCL
+      us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), nccl_type(dtype),
+                                     ncclSum, gpu.comm(), stream));
+      });
+      note("nccl_ar", add("allreduce", "nccl", hidden, tokens, world_size, us, false));
+#endif
+
+      // The local epilogue alone, on rank 0's GPU: what the fused op adds to a bare all-reduce.
+      us = gpu.measure(barrier, plan, is_rank0, [&](const DeviceBufferSet& set) {
+        add_rmsnorm(Backend::kCuda, fused_args(set, gpu.gamma(), hidden, tokens, dtype), stream);
+      });
+      note("local", add("add_rmsnorm", "tpfuse_local", hidden, tokens, 1, us, true));
+
+      if (is_rank0) {
+        std::fprintf(stderr, "hidden %lld tokens %lld (us/op, rank 0):%s\n",
+                     static_cast<long long>(hidden), static_cast<long long>(tokens),
+                     progress.c_str());
+      }
+    }
+  }
+}
+
+void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
+  std::fprintf(stderr, "floors...\n");
+  auto floor_record = [&](const char* impl, int world, double us, const std::string& method) {
+    Record record;
+    record.op = "floor";
+    record.impl = impl;
+    record.world_size = world;
+    record.us = us;
+    record.method = method;
+    records.push_back(record);
+    return &records.back();
+  };
+  const std::string graph_method = "cuda-graph of " + std::to_string(plan.ops_per_graph) +
+                                   " empty kernels (1 block of 128 threads), median of " +
+                                   std::to_string(plan.replays) + " replays";
+  floor_record("empty_kernel_graph", 1,
+               measure_empty_kernel_graph_us(0, true, plan.ops_per_graph, plan.replays),
+               graph_method + ", programmatic dependent launch");
+  floor_record("empty_kernel_graph_nopdl", 1,
+               measure_empty_kernel_graph_us(0, false, plan.ops_per_graph, plan.replays),
+               graph_method + ", no programmatic dependent launch");
+
+  int can_access = 0;
+  if (cuda_device_count() >= 2) {
+    TPF_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, 0, 1));
+  }
+  if (!can_access) {
+    std::fprintf(stderr,
+                 "tpfuse-bench: no peer access between GPU 0 and 1: NVLink floors skipped\n");
+    return;
+  }
+  floor_record("nvlink_one_way", 2,
+               measure_nvlink_one_way_us(0, 1, kPingPongIterations, kPingPongRepeats),
+               "ping-pong GPU 0 <-> GPU 1, one thread each, volatile int stores into the peer, " +
+                   std::to_string(kPingPongIterations) +
+                   " round trips, one way = elapsed / iterations / 2, median of " +
+                   std::to_string(kPingPongRepeats));
+  const CopyFloor copy = measure_peer_copy(0, 1, kPeerCopyBytes, kPeerCopyRepeats);
+  Record* record =
+      floor_record("nvlink_copy_GBps", 2, copy.us,
+                   "cudaMemcpyPeerAsync of " + std::to_string(kPeerCopyBytes >> 20) +
+                       " MiB GPU 0 -> GPU 1, median of " + std::to_string(kPeerCopyRepeats));
+  record->gbps = copy.gbps;
+  record->bytes = int64_t(kPeerCopyBytes);
+}
+
+}  // namespace
+
+std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
+  const int device_count = cuda_device_count();
+  const int world_size =
+      options.world_size > 0 ? options.world_size : std::min(device_count, kGpuMaxDefaultWorld);
+  if (world_size < 1 || world_size > device_count) {
+    TPF_FAIL("--world " << world_size << " but this process sees " << device_count
+                        << " CUDA device(s)");
+  }
+  std::vector<int> devices(static_cast<size_t>(world_size));
+  for (int rank = 0; rank < world_size; ++rank) devices[size_t(rank)] = rank;
+  TeamOptions team_options;
+  team_options.packet_bytes = options.packet_bytes;
+  const std::vector<Team> team = create_cuda_team(devices, team_options);
+
+  GpuPlan plan;
+  plan.dtype = options.dtype;
+  plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kGpuOpsPerGraph;
+  plan.replays = options.replays > 0 ? options.replays : kGpuReplays;
+  plan.pdl = tpfuse_pdl_enabled();
+  for (const int64_t hidden : options.hiddens) {
+    const int64_t max_tokens = team[0].max_tokens(hidden, options.dtype);
+    std::vector<int64_t> tokens =
+        tokens_for_hidden(options, hidden, max_tokens, kGpuMaxDefaultTokens);
+    if (tokens.empty()) continue;
+    const int64_t most = *std::max_element(tokens.begin(), tokens.end());
+    plan.buffer_bytes =
+        std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
+    plan.max_hidden = std::max(plan.max_hidden, hidden);
+    plan.shapes.emplace_back(hidden, std::move(tokens));
+  }
+
+  cudaDeviceProp properties{};
+  TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
+  int driver = 0;
+  int runtime = 0;
+  TPF_CHECK_CUDA(cudaDriverGetVersion(&driver));
+  TPF_CHECK_CUDA(cudaRuntimeGetVersion(&runtime));
+  info.gpu = properties.name;
+  info.driver = version_string(driver, 1000, 10);
+  info.cuda = version_string(runtime, 1000, 10);
+  info.backend = "cuda";
+  info.ops_per_graph = plan.ops_per_graph;
+  info.replays = plan.replays;
+  info.method = "cuda-graph of " + std::to_string(plan.ops_per_graph) + " ops, median of " +
+                std::to_string(plan.replays) + " replays";
+
+  const void* nccl_id_pointer = nullptr;
+#if TPFUSE_BENCH_NCCL
+  info.nccl = nccl_version_string();
+  ncclUniqueId nccl_id;
+  TPF_CHECK_NCCL(ncclGetUniqueId(&nccl_id));
+  nccl_id_pointer = &nccl_id;
+#else
+  std::fprintf(stderr, "tpfuse-bench: built without NCCL: the NCCL baselines are not measured\n");
+#endif
+  std::fprintf(stderr, "GPU mode: %d x %s, %s, %s\n", world_size, info.gpu.c_str(),
+               dtype_name(options.dtype), info.method.c_str());
+
+  RankBarrier barrier(world_size);
+  std::vector<std::vector<Record>> per_rank(static_cast<size_t>(world_size));
+  run_rank_threads(world_size, barrier, [&](int rank) {
+    GpuRank gpu(team[size_t(rank)], plan, nccl_id_pointer);
+    try {
+      run_rank(gpu, barrier, plan, per_rank[size_t(rank)]);
+    } catch (...) {
+      gpu.mark_failed();
+      throw;
+    }
+  });
+
+  std::vector<Record> records = merge_ranks(per_rank);
+  add_floors(plan, records);
+  return records;
+}
+
+}  // namespace tpfuse::bench

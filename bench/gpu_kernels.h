@@ -1,0 +1,37 @@
+// The bench's own device code: input fills and the floors (an empty kernel in a graph, an NVLink
+// store-to-poll crossing, a peer copy). Host-callable; no CUDA headers needed to include this.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::bench {
+
+// Writes random_value(seed, i, low, high) as `dtype` into data[0, count) on the current device.
+void fill_random_device(void* data, int64_t count, DType dtype, uint64_t seed, float low,
+                        float high, cudaStream_t stream);
+
+// Microseconds per kernel of a CUDA graph of `nodes` empty single-block kernels on `device`,
+// median of `replays` replays. With `pdl`, each kernel is launched with programmatic stream
+// serialization and waits on / releases its grid dependency as a tpfuse kernel does.
+double measure_empty_kernel_graph_us(int device, bool pdl, int nodes, int replays);
+
+// One-way NVLink latency between two devices with peer access: one thread on each stores a
+// counter into the other's memory and polls its own; one way = elapsed / iterations / 2. Median
+// of `repeats` runs.
+double measure_nvlink_one_way_us(int device_a, int device_b, int iterations, int repeats);
+
+struct CopyFloor {
+  double us = 0.0;
+  double gbps = 0.0;
+};
+
+// A cudaMemcpyPeerAsync of `bytes` from one device to another, median of `repeats` copies.
+CopyFloor measure_peer_copy(int source_device, int destination_device, size_t bytes, int repeats);
+
+// Enables peer access from the current device to `peer`; already enabled is fine.
+void enable_peer_access(int device, int peer);
+
+}  // namespace tpfuse::bench

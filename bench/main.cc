@@ -1,0 +1,304 @@
+// tpfuse-bench: the project's benchmark driver. Measures the fused ops against NCCL + the local
+// fused kernel and against the hardware floors in one run; prints a table and writes JSON
+// (bench/plot_results.py draws it). Without two GPUs it runs the CPU backend and says so.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <exception>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+
+#ifndef TPFUSE_BENCH_SOURCE_DIR
+#define TPFUSE_BENCH_SOURCE_DIR "."
+#endif
+
+namespace tpfuse::bench {
+namespace {
+
+constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
+
+  --hidden LIST        widths, comma-separated (default 3072,4096,7168)
+  --tokens LIST        token counts, comma-separated (default powers of two 1..4096 on GPUs,
+                       1..256 on the CPU; always capped by what the one-shot workspace holds)
+  --dtype D            bf16 | fp16 | fp32 (default bf16)
+  --world N            ranks (default: every visible GPU, at most 8; CPU mode 2)
+  --ops-per-graph N    back-to-back ops per timed replay (default 20; CPU mode 10)
+  --replays N          timed replays; the median is reported (default 50; CPU mode 20)
+  --packet-mib N       one-shot workspace packet size in MiB (TeamOptions::packet_bytes, default 16)
+  --backend B          auto | cuda | cpu (default auto: cuda with two or more GPUs)
+  --out PATH           results JSON (default bench/results/<device>-<YYYYMMDD>-<commit>.json)
+  --help               this text
+
+environment:
+  TPFUSE_BENCH_COMMIT  commit recorded in the results (default: git rev-parse --short HEAD of the
+                       source tree, "-dirty" appended if it has changes; "unknown" without git)
+  TPFUSE_DISABLE_PDL   read by the library; recorded in each tpfuse record as "pdl"
+  NCCL_NVLS_ENABLE     set to 0 unless already set: NVLink multicast stays off
+)";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "tpfuse-bench: %s\n\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+int64_t parse_integer(const std::string& flag, const std::string& text, int64_t minimum) {
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || errno != 0 || end == nullptr || *end != '\0' || value < minimum) {
+    usage_error(flag + " expects an integer >= " + std::to_string(minimum) + ", got '" + text +
+                "'");
+  }
+  return value;
+}
+
+std::vector<int64_t> parse_list(const std::string& flag, const std::string& text, int64_t minimum) {
+  std::vector<int64_t> values;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) {
+    if (!item.empty()) values.push_back(parse_integer(flag, item, minimum));
+  }
+  if (values.empty()) usage_error(flag + " expects a comma-separated list, got '" + text + "'");
+  return values;
+}
+
+const char* short_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
+Options parse_options(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    const size_t equals = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && equals != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(equals + 1);
+      flag = flag.substr(0, equals);
+    }
+    if (flag == "--help" || flag == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    }
+    static const char* const kFlags[] = {"--hidden",     "--tokens",        "--dtype",
+                                         "--world",      "--ops-per-graph", "--replays",
+                                         "--packet-mib", "--backend",       "--out"};
+    if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
+      usage_error("unknown option '" + flag + "'");
+    }
+    if (!inline_value) {
+      if (i + 1 >= argc) usage_error(flag + " needs a value");
+      value = argv[++i];
+    }
+    if (flag == "--hidden") {
+      options.hiddens = parse_list(flag, value, 1);
+      for (const int64_t hidden : options.hiddens) {
+        if (hidden % kHiddenMultiple != 0 || hidden > kMaxHidden) {
+          usage_error("--hidden " + std::to_string(hidden) + ": widths must be multiples of " +
+                      std::to_string(kHiddenMultiple) + " up to " + std::to_string(kMaxHidden));
+        }
+      }
+    } else if (flag == "--tokens") {
+      options.tokens = parse_list(flag, value, 1);
+    } else if (flag == "--dtype") {
+      if (value == "bf16") {
+        options.dtype = DType::kBFloat16;
+      } else if (value == "fp16") {
+        options.dtype = DType::kFloat16;
+      } else if (value == "fp32") {
+        options.dtype = DType::kFloat32;
+      } else {
+        usage_error("--dtype expects bf16, fp16 or fp32, got '" + value + "'");
+      }
+    } else if (flag == "--world") {
+      options.world_size = int(parse_integer(flag, value, 1));
+      if (options.world_size > kMaxWorldSize) {
+        usage_error("--world must be at most " + std::to_string(kMaxWorldSize));
+      }
+    } else if (flag == "--ops-per-graph") {
+      options.ops_per_graph = int(parse_integer(flag, value, 1));
+    } else if (flag == "--replays") {
+      options.replays = int(parse_integer(flag, value, 1));
+    } else if (flag == "--packet-mib") {
+      options.packet_bytes = size_t(parse_integer(flag, value, 1)) << 20;
+    } else if (flag == "--backend") {
+      if (value == "auto") {
+        options.backend = BackendChoice::kAuto;
+      } else if (value == "cuda") {
+        options.backend = BackendChoice::kCuda;
+      } else if (value == "cpu") {
+        options.backend = BackendChoice::kCpu;
+      } else {
+        usage_error("--backend expects auto, cuda or cpu, got '" + value + "'");
+      }
+    } else {  // --out
+      options.out_path = value;
+    }
+  }
+  return options;
+}
+
+// Output of a shell command, trailing newline removed; empty if it failed.
+std::string command_output(const std::string& command) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return "";
+  std::string output;
+  char buffer[256];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  const int status = pclose(pipe);
+  if (status != 0) return "";
+  while (!output.empty() && (output.back() == '\n' || output.back() == '\r')) output.pop_back();
+  return output;
+}
+
+// The checkout the binary was built from, if it is still there (a binary carried to another
+// machine falls back to the working directory).
+std::string source_dir() {
+  std::error_code error;
+  if (std::filesystem::is_directory(TPFUSE_BENCH_SOURCE_DIR, error)) return TPFUSE_BENCH_SOURCE_DIR;
+  return ".";
+}
+
+// Short commit, "-dirty" if the checkout has changes; "unknown" without git. Results files are left
+// out of the check: otherwise the results of one run would mark every later run dirty.
+std::string git_commit() {
+  // A copy of the tree without .git (a machine the sources were shipped to) can be told.
+  const char* given = std::getenv("TPFUSE_BENCH_COMMIT");
+  if (given != nullptr && given[0] != '\0') return given;
+  const std::string git = "git -C '" + source_dir() + "' ";
+  const std::string commit = command_output(git + "rev-parse --short HEAD 2>/dev/null");
+  if (commit.empty()) return "unknown";
+  const std::string changes =
+      command_output(git + "status --porcelain -- . ':(exclude)bench/results' 2>/dev/null");
+  return changes.empty() ? commit : commit + "-dirty";
+}
+
+std::string utc_time(const char* format) {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char text[64];
+  std::strftime(text, sizeof(text), format, &utc);
+  return text;
+}
+
+// "NVIDIA H200" -> "nvidia-h200".
+std::string slug(const std::string& name) {
+  std::string out;
+  for (const char c : name) {
+    if (std::isalnum(static_cast<unsigned char>(c))) {
+      out += char(std::tolower(static_cast<unsigned char>(c)));
+    } else if (!out.empty() && out.back() != '-') {
+      out += '-';
+    }
+  }
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+std::string default_out_path(const RunInfo& info, int world_size) {
+  const std::filesystem::path results = std::filesystem::path(source_dir()) / "bench" / "results";
+  const std::string device = info.backend == "cpu" ? "cpu" : slug(info.gpu);
+  const std::string name = device + "-x" + std::to_string(world_size) + "-" + utc_time("%Y%m%d") +
+                           "-" + info.commit + ".json";
+  return (results / name).string();
+}
+
+enum class Mode { kGpu, kCpu };
+
+Mode choose_mode(const Options& options) {
+  const char* kCpuNote =
+      ": running the CPU backend (ranks are threads; these are CPU figures, not GPU figures)";
+  const bool built_with_cuda = cuda_available();
+  const int gpus = cuda_device_count();
+  std::string reason;
+  if (options.backend == BackendChoice::kCpu) {
+    reason = "--backend cpu";
+  } else if (!built_with_cuda) {
+    if (options.backend == BackendChoice::kCuda) {
+      usage_error("--backend cuda, but this build has no CUDA backend (configured without nvcc)");
+    }
+    reason = "This build has no CUDA backend";
+  } else if (options.backend == BackendChoice::kCuda) {
+    if (gpus == 0) usage_error("--backend cuda, but no CUDA GPUs were found");
+    return Mode::kGpu;
+  } else if (gpus == 0) {
+    reason = "No CUDA GPUs found";
+  } else if (gpus == 1) {
+    reason = "Only one CUDA GPU found (the GPU mode needs two; --backend cuda --world 1 forces it)";
+  } else {
+    return Mode::kGpu;
+  }
+  std::printf("%s%s\n", reason.c_str(), kCpuNote);
+  std::fflush(stdout);
+  return Mode::kCpu;
+}
+
+int run(int argc, char** argv) {
+  // NVLink SHARP multicast stays off: NCCL must not create multicast objects on these machines,
+  // and the baseline is then the same NCCL configuration as the committed baselines. An explicit
+  // setting in the environment wins.
+  setenv("NCCL_NVLS_ENABLE", "0", 0);
+  const Options options = parse_options(argc, argv);
+
+  RunInfo info;
+  info.dtype = short_dtype_name(options.dtype);
+  info.commit = git_commit();
+  info.date = utc_time("%Y-%m-%dT%H:%M:%SZ");
+
+  const Mode mode = choose_mode(options);
+  std::vector<Record> records;
+  int world_size = options.world_size;
+  if (mode == Mode::kGpu) {
+#if TPFUSE_BENCH_CUDA
+    records = run_gpu_bench(options, info);
+    if (world_size == 0) world_size = std::min(cuda_device_count(), kGpuMaxDefaultWorld);
+#else
+    usage_error("this build of tpfuse-bench has no GPU mode");
+#endif
+  } else {
+    records = run_cpu_bench(options, info);
+    if (world_size == 0) world_size = kCpuDefaultWorld;
+  }
+
+  print_table(info, records);
+  const std::string out_path =
+      options.out_path.empty() ? default_out_path(info, world_size) : options.out_path;
+  const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+  write_json(out_path, info, records);
+  std::printf("\nwrote %zu records to %s\n", records.size(), out_path.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace tpfuse::bench
+
+int main(int argc, char** argv) {
+  try {
+    return tpfuse::bench::run(argc, argv);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "tpfuse-bench: error: %s\n", error.what());
+    return 1;
+  }
+}

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Plots a tpfuse-bench results file: microseconds per op against tokens, one panel per width.
+
+usage: python3 bench/plot_results.py RESULTS.json [more.json ...]
+
+Writes RESULTS.png next to each results file. Each panel has one line per (op, impl) and dashed
+horizontal lines for the floors measured in the same run (an empty kernel in a CUDA graph with
+programmatic dependent launch, and the NVLink one-way latency): the lowest a one-op-per-layer
+collective can go.
+"""
+
+import json
+import math
+import os
+import sys
+import textwrap
+from collections import defaultdict
+
+# Floors drawn on every panel, with their legend labels.
+FLOORS = {
+    "empty_kernel_graph": "floor: empty kernel in a graph (PDL)",
+    "nvlink_one_way": "floor: NVLink one-way",
+}
+
+
+# Short legend names for the ops.
+OP_LABELS = {
+    "allreduce_add_rmsnorm": "AR+add+norm",
+    "allreduce": "AR",
+    "add_rmsnorm": "local add+norm",
+}
+
+
+def load_records(path):
+    with open(path) as file:
+        records = json.load(file)
+    if not isinstance(records, list):
+        raise SystemExit(f"{path}: expected a list of records, got {type(records).__name__}")
+    return records
+
+
+def describe_run(records):
+    """A title line from the fields every record shares."""
+    first = next((r for r in records if r.get("op") != "floor"), records[0] if records else {})
+    parts = [first.get("gpu", "?")]
+    if first.get("backend") == "cpu":
+        parts.append("CPU backend (not GPU figures)")
+    parts.append(first.get("dtype", "?"))
+    world = max((r.get("world_size", 1) for r in records if r.get("op") != "floor"), default=0)
+    if world:
+        parts.append(f"world {world}")
+    for key, label in (("driver", "driver"), ("cuda", "CUDA"), ("nccl", "NCCL")):
+        if first.get(key):
+            parts.append(f"{label} {first[key]}")
+    parts.append(f"commit {first.get('commit', '?')}")
+    parts.append(first.get("date", "?"))
+    return ", ".join(parts)
+
+
+def plot(path, plt):
+    records = load_records(path)
+    series = defaultdict(lambda: defaultdict(list))  # hidden -> (op, impl) -> [(tokens, us)]
+    floors = {}
+    for record in records:
+        us = record.get("us")
+        if us is None or not math.isfinite(us):
+            continue
+        if record.get("op") == "floor":
+            floors[record.get("impl")] = us
+            continue
+        key = (record["op"], record["impl"])
+        series[record["hidden"]][key].append((record["tokens"], us))
+    if not series:
+        print(f"{path}: no op records to plot")
+        return None
+
+    hiddens = sorted(series)
+    columns = min(3, len(hiddens))
+    rows = math.ceil(len(hiddens) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(max(7, 6 * columns), 4.5 * rows),
+                                squeeze=False)
+    for index, hidden in enumerate(hiddens):
+        axis = axes[index // columns][index % columns]
+        for (op, impl), points in sorted(series[hidden].items()):
+            points.sort()
+            tokens = [t for t, _ in points]
+            us = [u for _, u in points]
+            label = f"{OP_LABELS.get(op, op)}: {impl}"
+            axis.plot(tokens, us, marker="o", markersize=3, label=label)
+        for impl, label in FLOORS.items():
+            if impl in floors:
+                axis.axhline(floors[impl], linestyle="--", linewidth=1, color="gray"
+                             if impl == "empty_kernel_graph" else "black", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("tokens")
+        axis.set_ylabel("µs per op")
+        axis.set_title(f"hidden {hidden}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    for index in range(len(hiddens), rows * columns):
+        axes[index // columns][index % columns].set_visible(False)
+    figure.suptitle("\n".join(textwrap.wrap(describe_run(records), 110)), fontsize=9)
+    figure.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if len(argv) >= 2 else 2
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot_results.py: matplotlib is not installed; no plot written "
+              "(pip install matplotlib)")
+        return 0
+    for path in argv[1:]:
+        out = plot(path, plt)
+        if out:
+            print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

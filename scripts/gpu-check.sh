@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
+# compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
+#
+#   OUT=/tmp/out STEPS="build test sanitize bench" scripts/gpu-check.sh
+#
+# GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
+# there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
+# were measured with), else the system's. The device copy has no .git: pass the commit in
+# TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# NVLink multicast stays off on shared hosts (see README): never remove these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-$PWD/gpu-out}
+STEPS=${STEPS:-"build test sanitize bench"}
+BUILD=build/gpu
+mkdir -p "$OUT"
+status=0
+step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+{
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+    --format=csv 2>&1
+  nvidia-smi topo -m 2>&1
+  nvcc --version | tail -2
+} >"$OUT/machine.txt"
+
+nccl_root=$(python3 -c 'import nvidia, os; p = os.path.join(nvidia.__path__[0], "nccl"); print(p if os.path.isdir(p) else "")' 2>/dev/null)
+
+if [[ " $STEPS " == *" build "* ]]; then
+  step build
+  cmake --preset gpu ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$OUT/build.log" 2>&1 &&
+    cmake --build --preset gpu -j 16 >>"$OUT/build.log" 2>&1
+  rc=$?
+  grep -E "error|tpfuse:" "$OUT/build.log" | head -20
+  [ $rc -eq 0 ] || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+if [[ " $STEPS " == *" test "* ]]; then
+  step test
+  ctest --test-dir "$BUILD" --output-on-failure -j 1 --timeout 300 >"$OUT/ctest.log" 2>&1 || status=1
+  tail -15 "$OUT/ctest.log"
+  grep -E "Failed|\*\*\*" "$OUT/ctest.log" | head -20
+fi
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  step sanitize
+  filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuLocalAddRmsNorm.*'
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
+      "$BUILD/tests/test_oneshot_gpu" --gtest_filter="$filter" >"$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  step bench
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+  python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
+fi
+step done "status $status"
+exit $status
