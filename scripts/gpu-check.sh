@@ -39,7 +39,7 @@ fi
 
 if [[ " $STEPS " == *" test "* ]]; then
   step test
-  ctest --test-dir "$BUILD" --output-on-failure -j 1 --timeout 300 >"$OUT/ctest.log" 2>&1 || status=1
+  ctest --test-dir "$BUILD" -L "${TEST_LABEL:-gpu}" --output-on-failure -j 1 --timeout 150 >"$OUT/ctest.log" 2>&1 || status=1
   tail -15 "$OUT/ctest.log"
   grep -E "Failed|\*\*\*" "$OUT/ctest.log" | head -20
 fi

@@ -216,10 +216,12 @@ void allreduce(const Team& team, const void* input, void* out, int64_t count, DT
   args.tokens = 1;
   args.hidden = count;
   args.dtype = dtype;
-  // A flat message is carried as rows: the widest row (a multiple of kHiddenMultiple, at most
-  // kMaxHidden) that divides count. The sum does not depend on how rows are cut.
-  if (count > kMaxHidden && count % kHiddenMultiple == 0) {
-    int64_t row = kMaxHidden;
+  // A flat message is carried as rows so that it spreads over many blocks: the widest row of
+  // at most kFlatRow elements (a multiple of kHiddenMultiple) that divides count. The sum does
+  // not depend on how rows are cut.
+  constexpr int64_t kFlatRow = 2048;
+  if (count > kFlatRow && count % kHiddenMultiple == 0) {
+    int64_t row = kFlatRow;
     while (count % row != 0) row -= kHiddenMultiple;
     args.hidden = row;
     args.tokens = count / row;

@@ -13,7 +13,8 @@ namespace tpfuse::impl {
 // Packet store into a peer's (or this rank's) slot. Volatile: the store goes out to L2 / over
 // NVLink now rather than sitting in L1, and is not merged or reordered away by the compiler. No
 // release is needed: the packet is its own flag (a receiver consumes exactly the words it saw
-// change from the sentinel) and nothing else is published with it.
+// change from the sentinel) and nothing else is published with it. (Measured on an H200 pair:
+// plain weak stores time the same, 3.40 us at 1 token either way.)
 __device__ __forceinline__ void store_packet(Vec16* address, const Vec16& v) {
   asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(v.word[0]),
                "r"(v.word[1]), "r"(v.word[2]), "r"(v.word[3])

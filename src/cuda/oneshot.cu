@@ -22,7 +22,8 @@
 //   6. receive: each block polls its tokens' vectors in this rank's slot k%3 for every sender,
 //      sums them in rank order 0..W-1 in fp32, and runs the epilogue.
 //
-// Grid: at most one block per multiprocessor, so every block of the grid is resident at once;
+// Grid: no more blocks than can be resident together (occupancy, at most 4 per multiprocessor),
+// so every block of the grid is resident at once;
 // a block that polls for a peer's packet never waits on one of its own grid's blocks that has
 // not started. Block: one token row at a time, each thread holding kVecsPerThread 16-byte
 // vectors of it in registers (at most kMaxThreads threads).
@@ -35,6 +36,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "common/error.h"
 #include "common/team_state.h"
@@ -324,6 +328,28 @@ void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
   }
 }
 
+// How many blocks of `kernel` at `threads` threads fit on one multiprocessor at once, at most
+// kMaxBlocksPerMultiprocessor: the one-shot grid never exceeds what is resident together (its
+// blocks wait on peers whose packets other blocks of the peer's grid send). Cached per kernel.
+constexpr int kMaxBlocksPerMultiprocessor = 4;
+
+template <typename Kernel>
+int resident_blocks_per_multiprocessor(Kernel kernel, int threads) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), threads);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int blocks = 0;
+  TPF_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  TPF_CHECK_ARG(blocks > 0, "allreduce_add_rmsnorm",
+                "the kernel cannot run " << threads << " threads per block on this device");
+  blocks = std::min(blocks, kMaxBlocksPerMultiprocessor);
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
 bool pdl_enabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("TPFUSE_DISABLE_PDL");
@@ -370,7 +396,6 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
   if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
   const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
-  const int blocks = int(std::min<int64_t>(params.tokens, team.multiprocessors));
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_world_size(params.world_size, [&](auto world_tag) {
@@ -383,8 +408,11 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
                         (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
             TPF_FAIL("no launch shape for hidden " << params.hidden);  // never chosen
           } else {
-            launch(oneshot_kernel<T, kWorld, kEpilogue, kVecs>, blocks, shape.threads, stream,
-                   params);
+            const auto kernel = oneshot_kernel<T, kWorld, kEpilogue, kVecs>;
+            const int resident =
+                team.multiprocessors * resident_blocks_per_multiprocessor(kernel, shape.threads);
+            const int blocks = int(std::min<int64_t>(params.tokens, resident));
+            launch(kernel, blocks, shape.threads, stream, params);
           }
         });
       });
