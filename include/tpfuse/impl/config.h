@@ -4,9 +4,11 @@
 #if defined(__CUDACC__)
 #define TPF_HOST_DEVICE __host__ __device__ __forceinline__
 #define TPF_DEVICE __device__ __forceinline__
+#define TPF_UNROLL _Pragma("unroll")
 #else
 #define TPF_HOST_DEVICE inline
 #define TPF_DEVICE inline
+#define TPF_UNROLL
 #endif
 
 #if defined(__CUDA_ARCH__)

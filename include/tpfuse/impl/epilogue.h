@@ -29,7 +29,7 @@ template <typename T>
 TPF_HOST_DEVICE void accumulate(float (&acc)[Packed<T>::kElements], const Vec16& packet) {
   float lanes[Packed<T>::kElements];
   unpack<T>(packet, lanes);
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] += lanes[i];
 }
 
@@ -41,12 +41,12 @@ TPF_HOST_DEVICE Vec16 residual_round(float (&acc)[Packed<T>::kElements], const V
   if constexpr (kHasResidual) {
     float lanes[Packed<T>::kElements];
     unpack<T>(residual, lanes);
-#pragma unroll
+    TPF_UNROLL
     for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] += lanes[i];
   }
   const Vec16 rounded = pack<T>(acc);
   unpack<T>(rounded, acc);
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) sum_squares += acc[i] * acc[i];
   return rounded;
 }
@@ -61,7 +61,7 @@ TPF_HOST_DEVICE Vec16 normalize(const float (&x)[Packed<T>::kElements], const Ve
   float g[Packed<T>::kElements];
   unpack<T>(gamma, g);
   float out[Packed<T>::kElements];
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = (x[i] * scale) * g[i];
   return pack<T>(out);
 }

@@ -74,7 +74,7 @@ TPF_HOST_DEVICE Vec16 sentinel_vector() {
 
 // A payload vector as it may be sent: any word equal to the sentinel becomes +0.
 TPF_HOST_DEVICE Vec16 rewrite_sentinel(Vec16 v) {
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < 4; ++i) v.word[i] = v.word[i] == kSentinel ? 0u : v.word[i];
   return v;
 }

@@ -144,14 +144,14 @@ TPF_HOST_DEVICE void unpack(const Vec16& v, float (&out)[Packed<T>::kElements]) 
 #else
   std::memcpy(elements, &v, 16);
 #endif
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = to_float(elements[i]);
 }
 
 template <typename T>
 TPF_HOST_DEVICE Vec16 pack(const float (&in)[Packed<T>::kElements]) {
   T elements[Packed<T>::kElements];
-#pragma unroll
+  TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) elements[i] = from_float<T>(in[i]);
   Vec16 v;
 #if TPF_ON_DEVICE
