@@ -36,6 +36,24 @@
 namespace tpfuse::bench {
 namespace {
 
+// "580.159.04" from /proc/driver/nvidia/version ("... Kernel Module  580.159.04  ..."), or "".
+std::string kernel_driver_version() {
+  std::FILE* file = std::fopen("/proc/driver/nvidia/version", "r");
+  if (file == nullptr) return "";
+  char line[512] = {};
+  const bool read = std::fgets(line, sizeof(line), file) != nullptr;
+  std::fclose(file);
+  if (!read) return "";
+  const std::string text(line);
+  const std::string marker = "Kernel Module";
+  size_t position = text.find(marker);
+  if (position == std::string::npos) return "";
+  position = text.find_first_not_of(" \t", position + marker.size());
+  if (position == std::string::npos) return "";
+  const size_t end = text.find_first_of(" \t\n", position);
+  return text.substr(position, end == std::string::npos ? std::string::npos : end - position);
+}
+
 // Floors: the iterations and repeats the shared probes used, so figures stay comparable.
 constexpr int kPingPongIterations = 20000;
 constexpr int kPingPongRepeats = 5;
@@ -465,7 +483,10 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
   TPF_CHECK_CUDA(cudaDriverGetVersion(&driver));
   TPF_CHECK_CUDA(cudaRuntimeGetVersion(&runtime));
   info.gpu = properties.name;
-  info.driver = version_string(driver, 1000, 10);
+  // The kernel module's version (e.g. 580.159.04) where the driver publishes it; else the CUDA
+  // version the driver supports.
+  info.driver = kernel_driver_version();
+  if (info.driver.empty()) info.driver = "cuda " + version_string(driver, 1000, 10);
   info.cuda = version_string(runtime, 1000, 10);
   info.backend = "cuda";
   info.ops_per_graph = plan.ops_per_graph;
