@@ -61,23 +61,28 @@ __device__ __forceinline__ void store_vector(void* base, int64_t index, const Ve
   reinterpret_cast<Vec16*>(base)[index] = v;
 }
 
-// Sum over the block in a fixed order (butterfly within each warp, then warps 0..n-1 in order,
-// summed by every thread alike): the same launch shape gives the same bits on every rank and
-// every call. One barrier per row: a bank is written again only two rows later, after the next
-// row's barrier, which every thread reaches only once it has read this row's bank.
-__device__ __forceinline__ float block_sum(float value, float (&warp_sums)[2][32], uint32_t& row) {
+// Sum over the block, in a fixed order (butterfly within warps, then warp 0 over the warp
+// sums): the same launch shape gives the same bits on every rank and every call.
+__device__ __forceinline__ float block_sum(float value, float* shared_warp_sums) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = (blockDim.x + 31) / 32;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
     value += __shfl_xor_sync(0xffffffffu, value, offset);
-  float* bank = warp_sums[row & 1];
-  ++row;
-  if (lane == 0) bank[warp] = value;
+  if (lane == 0) shared_warp_sums[warp] = value;
   __syncthreads();
-  float total = bank[0];
-  for (int w = 1; w < warps; ++w) total += bank[w];
+  if (warp == 0) {
+    value = lane < warps ? shared_warp_sums[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value += __shfl_xor_sync(0xffffffffu, value, offset);
+    }
+    if (lane == 0) shared_warp_sums[32] = value;
+  }
+  __syncthreads();
+  const float total = shared_warp_sums[32];
+  __syncthreads();  // shared_warp_sums may be reused by the next row
   return total;
 }
 

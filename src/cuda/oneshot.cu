@@ -105,7 +105,7 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
                                            const Vec16 (&residual)[kVecsPerThread],
                                            const Vec16 (&gamma)[kVecsPerThread],
                                            const OneShotParams& p, int64_t token, int64_t vectors,
-                                           float (&warp_sums)[2][32], uint32_t& row_parity) {
+                                           float* shared_sums) {
   const int64_t row = token * vectors;
   if constexpr (kEpilogue == Epilogue::kSum) {
 #pragma unroll
@@ -124,7 +124,7 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
         if (p.residual_out != nullptr) store_vector(p.residual_out, row + owned(i), rounded);
       }
     }
-    const float scale = rms_scale(block_sum(sum_squares, warp_sums, row_parity), p.hidden, p.eps);
+    const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   ControlBlock* const control = p.control;
   const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
-  __shared__ float warp_sums[2][32];
-  uint32_t row_parity = 0;
+  __shared__ float shared_sums[33];
   __shared__ uint32_t shared_slot;
   __shared__ uint64_t shared_clear_bytes;
   __shared__ uint32_t shared_failed;
@@ -262,8 +261,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
         }
       }
     }
-    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, warp_sums,
-                                             row_parity);
+    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums);
   }
 }
 
@@ -271,8 +269,7 @@ template <typename T, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotParams p) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
-  __shared__ float warp_sums[2][32];
-  uint32_t row_parity = 0;
+  __shared__ float shared_sums[33];
   grid_dependency_wait();
   launch_dependents();
   Vec16 gamma[kVecsPerThread];
@@ -287,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotP
       if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
     }
     finish_row<T, kVecsPerThread, Epilogue::kAddRmsNorm>(acc, residual, gamma, p, token, vectors,
-                                                         warp_sums, row_parity);
+                                                         shared_sums);
   }
 }
 
