@@ -157,14 +157,8 @@ void validate_capacity(const TeamState& team, const AddRmsNormArgs& args, const 
                           << " tokens; raise TeamOptions::packet_bytes)");
 }
 
-OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& args) {
+OneShotParams make_local_params(const AddRmsNormArgs& args) {
   OneShotParams params{};
-  for (int r = 0; r < kMaxWorld; ++r) params.workspace[r] = team.workspace[r];
-  params.control = team.control;
-  params.error_flag = team.error_flag;
-  params.rank = team.rank;
-  params.world_size = team.world_size;
-  params.packet_bytes = team.packet_bytes;
   params.input = args.input;
   params.residual = args.residual;
   params.gamma = args.gamma;
@@ -173,8 +167,27 @@ OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& a
   params.tokens = args.tokens;
   params.hidden = args.hidden;
   params.eps = args.eps;
+  return params;
+}
+
+OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& args) {
+  OneShotParams params = make_local_params(args);
+  for (int r = 0; r < kMaxWorld; ++r) params.workspace[r] = team.workspace[r];
+  params.control = team.control;
+  params.error_flag = team.error_flag;
+  params.rank = team.rank;
+  params.world_size = team.world_size;
+  params.packet_bytes = team.packet_bytes;
   params.timeout_ns = team.timeout_ns;
   return params;
+}
+
+void validate_team_options(const TeamOptions& options, const char* op) {
+  TPF_CHECK_ARG(
+      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
+  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
+                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
 }
 
 namespace {

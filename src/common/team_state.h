@@ -56,6 +56,9 @@ struct OneShotParams {
 };
 
 OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& args);
+// The tensor and shape fields alone: what the local (no collective) kernels need.
+OneShotParams make_local_params(const AddRmsNormArgs& args);
+void validate_team_options(const TeamOptions& options, const char* op);
 
 // Argument checks shared by every backend; each throws tpfuse::Error naming the argument.
 void validate_team(const Team& team, const char* op);

@@ -187,15 +187,7 @@ void cpu_oneshot(const TeamState& team, const OneShotParams& params, DType dtype
 }
 
 void cpu_add_rmsnorm(const AddRmsNormArgs& args) {
-  OneShotParams p{};
-  p.input = args.input;
-  p.residual = args.residual;
-  p.gamma = args.gamma;
-  p.residual_out = args.residual_out;
-  p.norm_out = args.norm_out;
-  p.tokens = args.tokens;
-  p.hidden = args.hidden;
-  p.eps = args.eps;
+  const OneShotParams p = make_local_params(args);
   dispatch_dtype(args.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kElements = Packed<T>::kElements;
@@ -226,11 +218,7 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
   const char* op = "create_cpu_team";
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "world_size must be in [1, " << kMaxWorldSize << "], got " << world_size);
-  TPF_CHECK_ARG(
-      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
-      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
-  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
-                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+  impl::validate_team_options(options, op);
   auto memory = std::make_shared<impl::CpuTeamMemory>();
   const size_t bytes = impl::workspace_bytes(world_size, options.packet_bytes);
   std::array<char*, impl::kMaxWorld> workspace{};

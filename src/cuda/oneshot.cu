@@ -421,15 +421,7 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
 }
 
 void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream) {
-  OneShotParams params{};
-  params.input = args.input;
-  params.residual = args.residual;
-  params.gamma = args.gamma;
-  params.residual_out = args.residual_out;
-  params.norm_out = args.norm_out;
-  params.tokens = args.tokens;
-  params.hidden = args.hidden;
-  params.eps = args.eps;
+  const OneShotParams params = make_local_params(args);
   const LaunchShape shape = launch_shape(args.hidden, dtype_size(args.dtype));
   const int blocks = int(std::min<int64_t>(args.tokens, 65535));
   dispatch_dtype(args.dtype, [&](auto type_tag) {

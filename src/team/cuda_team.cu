@@ -128,11 +128,7 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   const int world_size = int(devices.size());
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "devices must name 1 to " << kMaxWorldSize << " GPUs, got " << world_size);
-  TPF_CHECK_ARG(
-      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
-      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
-  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
-                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+  impl::validate_team_options(options, op);
   const int count = cuda_device_count();
   std::set<int> seen;
   for (int i = 0; i < world_size; ++i) {
