@@ -43,6 +43,10 @@ constexpr int kMaxWorldSize = 16;
 // Widths: hidden must be a multiple of kHiddenMultiple elements and at most kMaxHidden.
 constexpr int64_t kHiddenMultiple = 8;
 constexpr int64_t kMaxHidden = 16384;
+// QK norm: this rank's q_size + kv_size at most kMaxQkWidth 16-bit elements (half as many fp32),
+// and at most kMaxQkRopeWidth with RoPE.
+constexpr int64_t kMaxQkWidth = 32768;
+constexpr int64_t kMaxQkRopeWidth = 12288;
 
 struct TeamOptions {
   // Bytes of one rank's packet in one Lamport slot: the largest message (tokens * hidden *
@@ -92,6 +96,43 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options = {
 // is an error naming the pair). Rank i is devices[i].
 std::vector<Team> create_cuda_team(const std::vector<int>& devices,
                                    const TeamOptions& options = {});
+
+// Rotary embedding applied after the QK norm: neox (rotate-half, as MiniMax-M2 uses) pairs
+// element i with i + rotary_dim/2 of each head; interleaved pairs 2i with 2i+1.
+enum class RopeStyle : int { kNone = 0, kNeox = 1, kInterleaved = 2 };
+
+struct QkNormArgs {
+  // [tokens, q_size + 2 * kv_size]: this rank's q, k and v slices (v is not touched).
+  const void* qkv = nullptr;
+  void* q_out = nullptr;          // [tokens, q_size]; nullptr: written in place into qkv's q slice
+  void* k_out = nullptr;          // [tokens, kv_size]; nullptr: written in place into qkv's k slice
+  const void* q_gamma = nullptr;  // [q_size]: this rank's slice of the q norm weight
+  const void* k_gamma = nullptr;  // [kv_size]: this rank's slice of the k norm weight
+  int64_t tokens = 0;
+  int64_t q_size = 0;         // this rank's q width (its query heads * head_dim)
+  int64_t kv_size = 0;        // this rank's k (and v) width
+  int64_t q_global_size = 0;  // width q is normalized over, all ranks (e.g. 48 * 128)
+  int64_t k_global_size = 0;  // width k is normalized over, each KV head once (e.g. 8 * 128)
+  // Ranks holding each KV head (1, or world_size / kv_heads when kv_heads < world_size). Ranks
+  // r and r' hold the same heads when r / kv_replicas == r' / kv_replicas; only the first of
+  // each group (r % kv_replicas == 0) counts its k sum, so each head counts once.
+  int kv_replicas = 1;
+  DType dtype = DType::kBFloat16;
+  float eps = 1e-6f;
+  // Optional rotary embedding on the normalized q and k.
+  RopeStyle rope = RopeStyle::kNone;
+  int64_t head_dim = 0;                // divides q_size and kv_size
+  int64_t rotary_dim = 0;              // even, <= head_dim; elements past it pass through
+  const int64_t* positions = nullptr;  // [tokens], each in [0, max_position)
+  // [max_position, rotary_dim] fp32: cos of the rotary_dim / 2 frequencies, then their sin.
+  const float* cos_sin_cache = nullptr;
+  int64_t max_position = 0;
+};
+
+// The distributed QK norm: per token, sum_q = sum over ranks of |q_r|^2 and sum_k likewise (in
+// fp32, rank order, identical bits on every rank), then q = q * rsqrt(sum_q / q_global_size +
+// eps) * q_gamma, k likewise, then the optional RoPE; rounded once to dtype. One kernel per call.
+void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream = nullptr);
 
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
 bool cuda_available();

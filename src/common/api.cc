@@ -182,6 +182,124 @@ OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& a
   return params;
 }
 
+ExchangeParams make_exchange_params(const TeamState& team) {
+  ExchangeParams exchange{};
+  for (int r = 0; r < kMaxWorld; ++r) exchange.workspace[r] = team.workspace[r];
+  exchange.control = team.control;
+  exchange.error_flag = team.error_flag;
+  exchange.rank = team.rank;
+  exchange.world_size = team.world_size;
+  exchange.packet_bytes = team.packet_bytes;
+  exchange.timeout_ns = team.timeout_ns;
+  return exchange;
+}
+
+QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args) {
+  QkNormParams params{};
+  params.exchange = make_exchange_params(team);
+  const int64_t row = args.q_size + 2 * args.kv_size;
+  const size_t element = dtype_size(args.dtype);
+  params.qkv = args.qkv;
+  params.q_out = args.q_out != nullptr ? args.q_out : const_cast<void*>(args.qkv);
+  params.q_out_stride = args.q_out != nullptr ? args.q_size : row;
+  params.k_out = args.k_out != nullptr
+                     ? args.k_out
+                     : static_cast<char*>(const_cast<void*>(args.qkv)) + args.q_size * element;
+  params.k_out_stride = args.k_out != nullptr ? args.kv_size : row;
+  params.q_gamma = args.q_gamma;
+  params.k_gamma = args.k_gamma;
+  params.tokens = args.tokens;
+  params.q_size = args.q_size;
+  params.kv_size = args.kv_size;
+  params.q_global_size = args.q_global_size;
+  params.k_global_size = args.k_global_size;
+  params.counts_k = team.rank % args.kv_replicas == 0;
+  params.eps = args.eps;
+  params.rope = int(args.rope);
+  params.head_dim = args.head_dim;
+  params.rotary_dim = args.rotary_dim;
+  params.positions = args.positions;
+  params.cos_sin_cache = args.cos_sin_cache;
+  return params;
+}
+
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char* op) {
+  const int dtype = int(a.dtype);
+  TPF_CHECK_ARG(dtype >= 0 && dtype <= 2, op,
+                "dtype " << dtype << " is not one of float32, float16, bfloat16");
+  TPF_CHECK_ARG(a.tokens >= 0, op, "tokens must be >= 0, got " << a.tokens);
+  TPF_CHECK_ARG(
+      a.q_size > 0 && a.q_size % kHiddenMultiple == 0, op,
+      "q_size must be a positive multiple of " << kHiddenMultiple << ", got " << a.q_size);
+  TPF_CHECK_ARG(
+      a.kv_size > 0 && a.kv_size % kHiddenMultiple == 0, op,
+      "kv_size must be a positive multiple of " << kHiddenMultiple << ", got " << a.kv_size);
+  TPF_CHECK_ARG((a.q_size + a.kv_size) * int64_t(dtype_size(a.dtype)) <= kMaxQkWidth * 2, op,
+                "q_size + kv_size must be at most "
+                    << kMaxQkWidth * 2 / int64_t(dtype_size(a.dtype)) << " elements of "
+                    << dtype_name(a.dtype) << ", got " << a.q_size + a.kv_size);
+  TPF_CHECK_ARG(a.q_global_size >= a.q_size, op,
+                "q_global_size must be >= q_size (" << a.q_size << "), got " << a.q_global_size);
+  TPF_CHECK_ARG(a.k_global_size >= a.kv_size, op,
+                "k_global_size must be >= kv_size (" << a.kv_size << "), got " << a.k_global_size);
+  TPF_CHECK_ARG(
+      a.kv_replicas >= 1 && team.world_size % a.kv_replicas == 0, op,
+      "kv_replicas must divide the world size " << team.world_size << ", got " << a.kv_replicas);
+  TPF_CHECK_ARG(std::isfinite(a.eps) && a.eps >= 0.0f, op,
+                "eps must be finite and >= 0, got " << a.eps);
+  TPF_CHECK_ARG(a.qkv != nullptr, op, "qkv is null");
+  TPF_CHECK_ARG(a.q_gamma != nullptr, op, "q_gamma is null");
+  TPF_CHECK_ARG(a.k_gamma != nullptr, op, "k_gamma is null");
+  const std::pair<const char*, const void*> pointers[] = {{"qkv", a.qkv},
+                                                          {"q_out", a.q_out},
+                                                          {"k_out", a.k_out},
+                                                          {"q_gamma", a.q_gamma},
+                                                          {"k_gamma", a.k_gamma}};
+  for (const auto& [name, pointer] : pointers) {
+    TPF_CHECK_ARG(pointer == nullptr || is_aligned(pointer), op,
+                  name << " must be 16-byte aligned, got " << pointer);
+  }
+  const size_t element = dtype_size(a.dtype);
+  const size_t qkv_bytes = size_t(a.tokens) * size_t(a.q_size + 2 * a.kv_size) * element;
+  const auto disjoint = [](const void* x, size_t x_bytes, const void* y, size_t y_bytes) {
+    const auto p = reinterpret_cast<uintptr_t>(x);
+    const auto q = reinterpret_cast<uintptr_t>(y);
+    return p + x_bytes <= q || q + y_bytes <= p;
+  };
+  const size_t q_bytes = size_t(a.tokens) * size_t(a.q_size) * element;
+  const size_t k_bytes = size_t(a.tokens) * size_t(a.kv_size) * element;
+  TPF_CHECK_ARG(a.q_out == nullptr || disjoint(a.q_out, q_bytes, a.qkv, qkv_bytes), op,
+                "q_out overlaps qkv: pass q_out = nullptr to write in place");
+  TPF_CHECK_ARG(a.k_out == nullptr || disjoint(a.k_out, k_bytes, a.qkv, qkv_bytes), op,
+                "k_out overlaps qkv: pass k_out = nullptr to write in place");
+  TPF_CHECK_ARG(
+      a.q_out == nullptr || a.k_out == nullptr || disjoint(a.q_out, q_bytes, a.k_out, k_bytes), op,
+      "q_out overlaps k_out");
+  const int rope = int(a.rope);
+  TPF_CHECK_ARG(rope >= 0 && rope <= 2, op, "rope " << rope << " is not a RopeStyle");
+  if (a.rope != RopeStyle::kNone) {
+    TPF_CHECK_ARG(a.head_dim > 0 && a.q_size % a.head_dim == 0 && a.kv_size % a.head_dim == 0, op,
+                  "head_dim must divide q_size (" << a.q_size << ") and kv_size (" << a.kv_size
+                                                  << "), got " << a.head_dim);
+    TPF_CHECK_ARG(a.rotary_dim >= 2 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.head_dim, op,
+                  "rotary_dim must be even and in [2, head_dim = " << a.head_dim << "], got "
+                                                                   << a.rotary_dim);
+    TPF_CHECK_ARG(a.q_size + a.kv_size <= kMaxQkRopeWidth, op,
+                  "q_size + kv_size must be at most " << kMaxQkRopeWidth << " with RoPE, got "
+                                                      << a.q_size + a.kv_size);
+    TPF_CHECK_ARG(a.positions != nullptr, op, "positions is null but rope is set");
+    TPF_CHECK_ARG(a.cos_sin_cache != nullptr, op, "cos_sin_cache is null but rope is set");
+    TPF_CHECK_ARG(a.max_position > 0, op, "max_position must be > 0, got " << a.max_position);
+    TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(a.positions) % 8 == 0, op,
+                  "positions must be 8-byte aligned");
+    TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(a.cos_sin_cache) % 4 == 0, op,
+                  "cos_sin_cache must be 4-byte aligned");
+  }
+  TPF_CHECK_ARG(size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes, op,
+                "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
+                          << " packet bytes, over the team's " << team.packet_bytes);
+}
+
 void validate_team_options(const TeamOptions& options, const char* op) {
   TPF_CHECK_ARG(
       options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
@@ -240,6 +358,33 @@ void allreduce(const Team& team, const void* input, void* out, int64_t count, DT
     args.tokens = count / row;
   }
   impl::run_oneshot(team, args, impl::Epilogue::kSum, stream, "allreduce");
+}
+
+void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
+  const char* op = "allreduce_qk_rmsnorm";
+  impl::validate_team(team, op);
+  const impl::TeamState& state = *team.state();
+  impl::validate_qk_rmsnorm(state, args, op);
+  if (state.backend == Backend::kCuda) {
+    impl::cuda_validate_pointers(state,
+                                 {{"qkv", args.qkv},
+                                  {"q_out", args.q_out},
+                                  {"k_out", args.k_out},
+                                  {"q_gamma", args.q_gamma},
+                                  {"k_gamma", args.k_gamma},
+                                  {"positions", args.positions},
+                                  {"cos_sin_cache", args.cos_sin_cache}},
+                                 stream, op);
+  } else {
+    TPF_CHECK_ARG(stream == nullptr, op, "stream must be null for a CPU-backend team");
+  }
+  if (args.tokens == 0) return;
+  const impl::QkNormParams params = impl::make_qk_params(state, args);
+  if (state.backend == Backend::kCuda) {
+    impl::cuda_qk_rmsnorm(state, params, args.dtype, stream);
+  } else {
+    impl::cpu_qk_rmsnorm(params, args.dtype);
+  }
 }
 
 void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {

@@ -5,7 +5,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
+#include <utility>
 
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/lamport.h"
@@ -54,6 +56,51 @@ struct OneShotParams {
   float eps;
   uint64_t timeout_ns;
 };
+
+// The team side of a Lamport exchange (what the QK-norm launch needs beside its tensors).
+struct ExchangeParams {
+  char* workspace[kMaxWorld];
+  ControlBlock* control;
+  uint32_t* error_flag;
+  int rank;
+  int world_size;
+  size_t packet_bytes;
+  uint64_t timeout_ns;
+};
+
+// One call of the QK-norm kernel (or its CPU twin); passed by value.
+struct QkNormParams {
+  ExchangeParams exchange;
+  const void* qkv;
+  void* q_out;  // row stride q_out_stride elements
+  void* k_out;  // row stride k_out_stride elements
+  int64_t q_out_stride;
+  int64_t k_out_stride;
+  const void* q_gamma;
+  const void* k_gamma;
+  int64_t tokens;
+  int64_t q_size;
+  int64_t kv_size;
+  int64_t q_global_size;
+  int64_t k_global_size;
+  int counts_k;  // 0 on ranks whose KV heads another rank already counts
+  float eps;
+  int rope;  // RopeStyle
+  int64_t head_dim;
+  int64_t rotary_dim;
+  const int64_t* positions;
+  const float* cos_sin_cache;
+};
+
+ExchangeParams make_exchange_params(const TeamState& team);
+QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args);
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& args, const char* op);
+void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype);
+void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
+                     cudaStream_t stream);
+void cuda_validate_pointers(const TeamState& team,
+                            std::initializer_list<std::pair<const char*, const void*>> pointers,
+                            cudaStream_t stream, const char* op);
 
 OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& args);
 // The tensor and shape fields alone: what the local (no collective) kernels need.

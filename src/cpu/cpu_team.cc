@@ -1,12 +1,7 @@
 // The CPU backend: ranks are threads of one process, workspaces are host memory, and each call
 // runs the Lamport one-shot protocol of tpfuse/impl/lamport.h with the epilogues of
 // tpfuse/impl/epilogue.h: the same code the CUDA kernel runs, with a thread in place of a grid.
-//
-// Memory ordering: packet words are stored with release and polled with acquire (per 32-bit
-// word, as on the GPU, where only word stores are single-copy atomic). The release on every
-// store orders this rank's earlier clear of a slot before any peer's later store into it: a peer
-// stores into that slot only after it has seen (acquired) a packet this rank sent after the
-// clear.
+// Packet stores, polls and their memory ordering: cpu/cpu_exchange.h.
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/team_state.h"
+#include "cpu/cpu_exchange.h"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/lamport.h"
@@ -37,25 +33,6 @@ void* allocate_aligned(size_t bytes) {
   return pointer;
 }
 
-void store_word(uint32_t* word, uint32_t value) {
-  __atomic_store_n(word, value, __ATOMIC_RELEASE);
-}
-uint32_t load_word(const uint32_t* word) {
-  return __atomic_load_n(word, __ATOMIC_ACQUIRE);
-}
-
-void store_vector(char* address, const Vec16& v) {
-  auto* words = reinterpret_cast<uint32_t*>(address);
-  for (int i = 0; i < 4; ++i) store_word(words + i, v.word[i]);
-}
-
-Vec16 load_vector(const char* address) {
-  const auto* words = reinterpret_cast<const uint32_t*>(address);
-  Vec16 v;
-  for (int i = 0; i < 4; ++i) v.word[i] = load_word(words + i);
-  return v;
-}
-
 Vec16 load_plain(const void* base, int64_t vector_index) {
   Vec16 v;
   std::memcpy(&v, static_cast<const char*>(base) + vector_index * 16, 16);
@@ -64,28 +41,6 @@ Vec16 load_plain(const void* base, int64_t vector_index) {
 
 void store_plain(void* base, int64_t vector_index, const Vec16& v) {
   std::memcpy(static_cast<char*>(base) + vector_index * 16, &v, 16);
-}
-
-// Polls one packet vector until every word holds data, or the deadline passes.
-Vec16 poll_vector(const char* address, const OneShotParams& p, int sender) {
-  Vec16 v = load_vector(address);
-  if (has_arrived(v)) return v;
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spins = 0;; ++spins) {
-    v = load_vector(address);
-    if (has_arrived(v)) return v;
-    // Ranks may outnumber cores: after a short spin, give the core to the peer being waited on.
-    if (spins >= 16) std::this_thread::yield();
-    if (spins % 64 == 63) {
-      const auto waited = std::chrono::steady_clock::now() - start;
-      const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
-      if (p.timeout_ns != 0 && uint64_t(waited_ns) > p.timeout_ns) {
-        __atomic_store_n(p.error_flag, uint32_t(1 + sender), __ATOMIC_RELEASE);
-        TPF_FAIL("rank " << p.rank << " waited " << double(waited_ns) * 1e-9 << " s for rank "
-                         << sender << "'s packet: peer did not arrive; the team is now failed");
-      }
-    }
-  }
 }
 
 // The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector.
@@ -124,11 +79,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
   constexpr int kElements = Packed<T>::kElements;
   using Lanes = float[kElements];
   ControlBlock& control = *p.control;
-  const uint32_t failed = __atomic_load_n(p.error_flag, __ATOMIC_ACQUIRE);
-  if (failed != 0) {
-    TPF_FAIL("rank " << p.rank << ": the team failed earlier (rank " << failed - 1
-                     << " did not arrive); create a new team");
-  }
+  check_not_failed(p.error_flag, p.rank);
   const uint32_t slot = control.slot;
   const int64_t vectors = p.hidden / kElements;
   const size_t bytes = size_t(p.tokens * p.hidden) * sizeof(T);
@@ -142,15 +93,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
     }
   }
 
-  // Re-fill the slot the previous call read with the sentinel.
-  const uint32_t clear_slot = slot_to_clear(slot);
-  const size_t clear_bytes = control.slot_bytes[clear_slot];
-  for (int r = 0; r < p.world_size; ++r) {
-    char* base = p.workspace[p.rank] + packet_offset(clear_slot, r, p.world_size, p.packet_bytes);
-    for (size_t offset = 0; offset < clear_bytes; offset += 16) {
-      store_vector(base + offset, sentinel_vector());
-    }
-  }
+  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes);
 
   // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
   std::vector<float> acc(size_t(p.hidden));
@@ -161,7 +104,7 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
       for (int r = 0; r < p.world_size; ++r) {
         const char* base =
             p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
-        const Vec16 packet = poll_vector(base + index * 16, p, r);
+        const Vec16 packet = poll_vector(base + index * 16, p.timeout_ns, p.error_flag, p.rank, r);
         if (r == 0) {
           accumulate_first<T>(lanes, packet);
         } else {

@@ -86,4 +86,61 @@ __device__ __forceinline__ float block_sum(float value, float* shared_warp_sums)
   return total;
 }
 
+// The slow path of a poll: spins until every word of a packet vector holds data, with the
+// bounded wait. On timeout (or when another thread of this rank already timed out) it records
+// the missing sender in the control block (device memory, which later calls read cheaply) and
+// in the host-mapped error flag (which the host reads without synchronizing), and returns what
+// it has: the outputs of a failed call are garbage, and Team::check reports it.
+// Inlined: a call would make the caller save its live registers (spills) around it.
+__device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
+                                                 uint32_t* device_error, uint32_t* host_error,
+                                                 int sender) {
+  uint64_t deadline = 0;
+  for (uint32_t spins = 1;; ++spins) {
+    const Vec16 v = load_packet(address);
+    if (has_arrived(v)) return v;
+    if (timeout_ns != 0 && spins % 256 == 0) {
+      const uint64_t now = global_timer_ns();
+      if (deadline == 0) {
+        deadline = now + timeout_ns;
+      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(device_error) != 0) {
+        const uint32_t code = uint32_t(1 + sender);
+        atomicCAS(device_error, 0u, code);
+        // System scope: the host reads this flag while the kernel may still run.
+        atomicCAS_system(host_error, 0u, code);
+        return v;
+      }
+    }
+  }
+}
+
+// The last block of a call to arrive advances the slot index (every block read it before it
+// arrived) and records the bytes each sender stored into this call's slot, which the next call
+// clears. Called by thread 0 of each block after its sends.
+__device__ __forceinline__ void arrive(ControlBlock* control, uint32_t slot, uint64_t bytes) {
+  const uint32_t arrived = atomicAdd(&control->arrivals, 1u);
+  if (arrived == gridDim.x - 1) {
+    control->arrivals = 0;
+    control->slot_bytes[slot] = bytes;
+    control->slot = next_slot(slot);
+  }
+}
+
+// Re-fills slot `clear_slot` of this rank's workspace, `clear_bytes` per sender, with the
+// sentinel, spread over the whole grid. Plain stores suffice: the slot is next polled two calls
+// (two kernel boundaries) later, and a peer stores into it only after it has seen a packet this
+// rank sends later.
+__device__ __forceinline__ void clear_slot(char* workspace, uint32_t clear_slot,
+                                           uint64_t clear_bytes, int world, size_t packet_bytes) {
+  const int64_t per_sender = int64_t(clear_bytes / 16);
+  const int64_t total = per_sender * world;
+  char* base = workspace + packet_offset(clear_slot, 0, world, packet_bytes);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t sender = i / per_sender;
+    reinterpret_cast<Vec16*>(base + sender * packet_bytes)[i - sender * per_sender] =
+        sentinel_vector();
+  }
+}
+
 }  // namespace tpfuse::impl

@@ -43,42 +43,12 @@
 #include "common/error.h"
 #include "common/team_state.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/launch.cuh"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 
 namespace tpfuse::impl {
 namespace {
-
-// 512 threads at most: leaves 128 registers a thread for the packets and fp32 lanes in flight.
-constexpr int kMaxThreads = 512;
-
-// The slow path of a poll: spins until every word of a packet vector holds data, with the
-// bounded wait. On timeout (or when another thread of this rank already timed out) it records
-// the missing sender in the control block (device memory, which later calls read cheaply) and
-// in the host-mapped error flag (which the host reads without synchronizing), and returns what
-// it has: the outputs of a failed call are garbage, and Team::check reports it.
-// Inlined: a call would make the caller save its live registers (spills) around it.
-__device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
-                                                 uint32_t* device_error, uint32_t* host_error,
-                                                 int sender) {
-  uint64_t deadline = 0;
-  for (uint32_t spins = 1;; ++spins) {
-    const Vec16 v = load_packet(address);
-    if (has_arrived(v)) return v;
-    if (timeout_ns != 0 && spins % 256 == 0) {
-      const uint64_t now = global_timer_ns();
-      if (deadline == 0) {
-        deadline = now + timeout_ns;
-      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(device_error) != 0) {
-        const uint32_t code = uint32_t(1 + sender);
-        atomicCAS(device_error, 0u, code);
-        // System scope: the host reads this flag while the kernel may still run.
-        atomicCAS_system(host_error, 0u, code);
-        return v;
-      }
-    }
-  }
-}
 
 template <int kVecsPerThread>
 __device__ __forceinline__ bool owns(int i, int64_t vectors) {
@@ -184,32 +154,13 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   }
 
   // 3. Arrival.
-  if (threadIdx.x == 0) {
-    const uint32_t arrived = atomicAdd(&control->arrivals, 1u);
-    if (arrived == gridDim.x - 1) {
-      control->arrivals = 0;
-      control->slot_bytes[slot] = uint64_t(p.tokens * p.hidden) * sizeof(T);
-      control->slot = next_slot(slot);
-    }
-  }
+  if (threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens * p.hidden) * sizeof(T));
 
   // 4.
   launch_dependents();
 
-  // 5. Clear. Plain stores suffice: the slot is next polled two calls (two kernel boundaries)
-  // later, and a peer stores into it only after it has seen a packet this rank sends later.
-  {
-    const uint32_t clear_slot = slot_to_clear(slot);
-    const int64_t per_sender = int64_t(shared_clear_bytes / 16);
-    const int64_t total = per_sender * world;
-    char* base = p.workspace[p.rank] + packet_offset(clear_slot, 0, world, p.packet_bytes);
-    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-      const int64_t sender = i / per_sender;
-      reinterpret_cast<Vec16*>(base + sender * p.packet_bytes)[i - sender * per_sender] =
-          sentinel_vector();
-    }
-  }
+  // 5. Clear.
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes);
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
@@ -288,34 +239,6 @@ __global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotP
   }
 }
 
-struct LaunchShape {
-  int vecs_per_thread;
-  int threads;
-};
-
-LaunchShape launch_shape(int64_t hidden, size_t element_size) {
-  const int64_t vectors = hidden * int64_t(element_size) / 16;
-  for (int vecs : {1, 2, 4, 8}) {
-    const int64_t threads = (vectors + vecs - 1) / vecs;
-    if (threads <= kMaxThreads) return {vecs, int((threads + 31) / 32 * 32)};
-  }
-  TPF_FAIL("hidden " << hidden << " is too wide for one block");
-}
-
-template <typename Fn>
-void dispatch_vecs(int vecs_per_thread, Fn&& fn) {
-  switch (vecs_per_thread) {
-    case 1:
-      return fn(IntTag<1>{});
-    case 2:
-      return fn(IntTag<2>{});
-    case 4:
-      return fn(IntTag<4>{});
-    default:
-      return fn(IntTag<8>{});
-  }
-}
-
 template <typename Fn>
 void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
   switch (epilogue) {
@@ -327,67 +250,6 @@ void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
       return fn(std::integral_constant<Epilogue, Epilogue::kAddRmsNorm>{});
   }
 }
-
-// How many blocks of `kernel` at `threads` threads fit on one multiprocessor at once, at most
-// kMaxBlocksPerMultiprocessor: the one-shot grid never exceeds what is resident together (its
-// blocks wait on peers whose packets other blocks of the peer's grid send). Cached per kernel.
-constexpr int kMaxBlocksPerMultiprocessor = 4;
-
-template <typename Kernel>
-int resident_blocks_per_multiprocessor(Kernel kernel, int threads) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), threads);
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
-  int blocks = 0;
-  TPF_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
-  TPF_CHECK_ARG(blocks > 0, "allreduce_add_rmsnorm",
-                "the kernel cannot run " << threads << " threads per block on this device");
-  blocks = std::min(blocks, kMaxBlocksPerMultiprocessor);
-  cache.emplace(key, blocks);
-  return blocks;
-}
-
-bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("TPFUSE_DISABLE_PDL");
-    return value == nullptr || value[0] == '\0' || value[0] == '0';
-  }();
-  return enabled;
-}
-
-template <typename Kernel, typename... Args>
-void launch(Kernel kernel, int blocks, int threads, cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(threads);
-  config.stream = stream;
-  cudaLaunchAttribute attributes[1];
-  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attributes;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
-  TPF_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, args...));
-}
-
-// Sets the current device for a scope, restoring the caller's afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    TPF_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) TPF_CHECK_CUDA(cudaSetDevice(device));
-    changed_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
 
 }  // namespace
 
@@ -410,9 +272,9 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
           } else {
             const auto kernel = oneshot_kernel<T, kWorld, kEpilogue, kVecs>;
             const int resident =
-                team.multiprocessors * resident_blocks_per_multiprocessor(kernel, shape.threads);
+                team.multiprocessors * resident_blocks_per_multiprocessor(kernel, shape.threads, 0);
             const int blocks = int(std::min<int64_t>(params.tokens, resident));
-            launch(kernel, blocks, shape.threads, stream, params);
+            launch(kernel, blocks, shape.threads, 0, stream, params);
           }
         });
       });
@@ -431,7 +293,7 @@ void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream) {
       if constexpr (kVecs > 1 && (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
         TPF_FAIL("no launch shape for hidden " << args.hidden);  // never chosen
       } else {
-        launch(add_rmsnorm_kernel<T, kVecs>, blocks, shape.threads, stream, params);
+        launch(add_rmsnorm_kernel<T, kVecs>, blocks, shape.threads, 0, stream, params);
       }
     });
   });

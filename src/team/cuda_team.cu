@@ -74,8 +74,9 @@ void cuda_check(const TeamState& team) {
   }
 }
 
-void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
-                        const char* op) {
+void cuda_validate_pointers(const TeamState& team,
+                            std::initializer_list<std::pair<const char*, const void*>> pointers,
+                            cudaStream_t stream, const char* op) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (stream != nullptr) TPF_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
   // A capturing stream cannot be asked its device; the launch onto it (made on the team's
@@ -87,11 +88,6 @@ void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaS
                   "stream belongs to device " << stream_device << " but team rank " << team.rank
                                               << " is on device " << team.device);
   }
-  const std::pair<const char*, const void*> pointers[] = {{"input", args.input},
-                                                          {"residual", args.residual},
-                                                          {"gamma", args.gamma},
-                                                          {"residual_out", args.residual_out},
-                                                          {"norm_out", args.norm_out}};
   for (const auto& [name, pointer] : pointers) {
     if (pointer == nullptr) continue;
     cudaPointerAttributes attributes{};
@@ -106,6 +102,17 @@ void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaS
                        << (device_memory ? "memory of device " + std::to_string(attributes.device)
                                          : std::string("host memory")));
   }
+}
+
+void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
+                        const char* op) {
+  cuda_validate_pointers(team,
+                         {{"input", args.input},
+                          {"residual", args.residual},
+                          {"gamma", args.gamma},
+                          {"residual_out", args.residual_out},
+                          {"norm_out", args.norm_out}},
+                         stream, op);
 }
 
 }  // namespace impl

@@ -6,83 +6,13 @@
 
 #include <chrono>
 
+#include "cuda_harness.h"
 #include "oneshot_properties.h"
 
 #define EXPECT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
 
 namespace tpfuse::testing {
 namespace {
-
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-class CudaHarness : public Harness {
- public:
-  explicit CudaHarness(int world_size, const TeamOptions& options = {}) {
-    std::vector<int> devices(world_size);
-    for (int r = 0; r < world_size; ++r) devices[r] = r;
-    team_ = create_cuda_team(devices, options);
-    for (int r = 0; r < world_size; ++r) {
-      check_cuda(cudaSetDevice(r), "cudaSetDevice");
-      cudaStream_t stream;
-      check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-      streams_.push_back(stream);
-    }
-  }
-  ~CudaHarness() override {
-    for (size_t r = 0; r < streams_.size(); ++r) {
-      cudaSetDevice(int(r));
-      cudaStreamSynchronize(streams_[r]);
-      cudaStreamDestroy(streams_[r]);
-    }
-    for (auto& [device, pointer] : blocks_) {
-      cudaSetDevice(device);
-      cudaFree(pointer);
-    }
-  }
-  std::vector<Team>& team() override { return team_; }
-  cudaStream_t stream(int rank) { return streams_[rank]; }
-  void* allocate(int rank, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
-    void* pointer = nullptr;
-    check_cuda(cudaMalloc(&pointer, bytes), "cudaMalloc");
-    blocks_.emplace_back(rank, pointer);
-    return pointer;
-  }
-  void upload(int rank, void* destination, const void* source, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
-    check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyHostToDevice, streams_[rank]),
-               "upload");
-    check_cuda(cudaStreamSynchronize(streams_[rank]), "upload sync");
-  }
-  void download(int rank, void* destination, const void* source, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
-    check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToHost, streams_[rank]),
-               "download");
-    check_cuda(cudaStreamSynchronize(streams_[rank]), "download sync");
-  }
-  void run(const std::function<void(int, cudaStream_t)>& call) override {
-    enqueue(call);
-    synchronize();
-  }
-  // One host thread queues every rank's work; the kernels of different GPUs run concurrently.
-  void enqueue(const std::function<void(int, cudaStream_t)>& call) override {
-    for (int r = 0; r < world_size(); ++r) call(r, streams_[r]);
-  }
-  void synchronize() override {
-    for (int r = 0; r < world_size(); ++r) {
-      check_cuda(cudaSetDevice(r), "cudaSetDevice");
-      check_cuda(cudaStreamSynchronize(streams_[r]), "cudaStreamSynchronize");
-      team_[r].check();
-    }
-  }
-
- private:
-  std::vector<Team> team_;
-  std::vector<cudaStream_t> streams_;
-  std::vector<std::pair<int, void*>> blocks_;
-};
 
 int gpus() {
   return std::min(cuda_device_count(), 8);

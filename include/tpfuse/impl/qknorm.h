@@ -1,0 +1,59 @@
+// The QK-norm epilogue and rotary embedding, host+device: the GPU kernel and the CPU backend
+// call these per 16-byte vector (norm) and per element (RoPE).
+//
+// Packet: one 16-byte vector per token, fp32 words {sum of q^2, sum of k^2, 0, 0}, exchanged
+// with the Lamport protocol of lamport.h and summed in rank order like any fp32 packet.
+#pragma once
+
+#include <cstdint>
+
+#include "tpfuse/impl/config.h"
+#include "tpfuse/impl/numeric.h"
+
+namespace tpfuse::impl {
+
+template <typename T>
+TPF_HOST_DEVICE float vector_sum_squares(const Vec16& v) {
+  float lanes[Packed<T>::kElements];
+  unpack<T>(v, lanes);
+  float sum = 0.0f;
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) sum += lanes[i] * lanes[i];
+  return sum;
+}
+
+TPF_HOST_DEVICE Vec16 qk_packet(float sum_q, float sum_k) {
+  return Vec16{{float_bits(sum_q), float_bits(sum_k), 0u, 0u}};
+}
+
+// x * scale * gamma in fp32 lanes (not yet rounded: RoPE, if any, comes first).
+template <typename T>
+TPF_HOST_DEVICE void scale_lanes(const Vec16& x, const Vec16& gamma, float scale,
+                                 float (&out)[Packed<T>::kElements]) {
+  float g[Packed<T>::kElements];
+  unpack<T>(x, out);
+  unpack<T>(gamma, g);
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = (out[i] * scale) * g[i];
+}
+
+// Element j (0 <= j < head_dim) of one head after the rotary embedding; `head` holds the head's
+// normalized fp32 values, `cos_sin` the position's cache row.
+TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_dim, int style,
+                                   const float* cos_sin) {
+  if (j >= rotary_dim) return head[j];
+  const int64_t half = rotary_dim / 2;
+  if (style == 1) {  // neox: (j, j + half)
+    const int64_t i = j < half ? j : j - half;
+    const float c = cos_sin[i];
+    const float s = cos_sin[half + i];
+    return j < half ? head[j] * c - head[j + half] * s : head[j] * c + head[j - half] * s;
+  }
+  // interleaved: (2i, 2i + 1)
+  const int64_t i = j / 2;
+  const float c = cos_sin[i];
+  const float s = cos_sin[half + i];
+  return j % 2 == 0 ? head[j] * c - head[j + 1] * s : head[j] * c + head[j - 1] * s;
+}
+
+}  // namespace tpfuse::impl

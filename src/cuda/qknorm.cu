@@ -1,0 +1,199 @@
+// The distributed QK norm fused with its all-reduce (MiniMax-M2's QK-norm site), with optional
+// rotary embedding. One kernel per call and rank; the exchange is the Lamport one-shot protocol
+// of tpfuse/impl/lamport.h with one 16-byte packet per token, {sum q^2, sum k^2, 0, 0} in fp32.
+//
+//   [before griddepcontrol.wait]  nothing that reads or writes memory.
+//   1. thread 0 reads the slot index, the bytes to clear and the error flag.
+//   2. per token of the block: each thread loads its q / k vectors and sums their squares; two
+//      fixed-order block sums; thread 0 stores the packet into every rank's slot.
+//   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
+//      call's slot: exactly as the add + RMSNorm one-shot kernel (oneshot.cu says why it is safe).
+//   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
+//      same bits on every rank), computes both scales and shares them; each thread normalizes
+//      its vectors; with RoPE the normalized row goes through shared memory so each element can
+//      read its rotation partner; one rounding to the output type.
+#include <cuda_runtime.h>
+
+#include "common/error.h"
+#include "common/team_state.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/launch.cuh"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/qknorm.h"
+
+namespace tpfuse::impl {
+namespace {
+
+template <typename T, int kWorldSize, int kVecsPerThread, bool kRope>
+__global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormParams p) {
+  constexpr int kElements = Packed<T>::kElements;
+  ControlBlock* const control = p.exchange.control;
+  const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
+  const int rank = p.exchange.rank;
+  const int64_t q_vectors = p.q_size / kElements;
+  const int64_t vectors = (p.q_size + p.kv_size) / kElements;
+  const int64_t row = p.q_size + 2 * p.kv_size;
+  extern __shared__ float normalized[];  // q_size + kv_size floats, RoPE only
+  __shared__ float shared_sums[33];
+  __shared__ float shared_scale[2];
+  __shared__ uint32_t shared_slot;
+  __shared__ uint64_t shared_clear_bytes;
+  __shared__ uint32_t shared_failed;
+
+  grid_dependency_wait();
+
+  // 1. Volatile loads: the writer was a previous grid, complete and flushed (the wait).
+  if (threadIdx.x == 0) {
+    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
+    shared_slot = slot;
+    shared_clear_bytes =
+        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
+    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
+  }
+  __syncthreads();
+  if (shared_failed != 0) return;  // a failed team sends nothing: its peers time out too
+  const uint32_t slot = shared_slot;
+  const size_t send_offset = packet_offset(slot, rank, world, p.exchange.packet_bytes);
+
+  // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
+  // the qkv row and in the normalized row (q then k) is the same: c * kElements.
+  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
+
+  // 2. Send.
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    float sum_q = 0.0f, sum_k = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c >= vectors) continue;
+      const Vec16 v = load_vector(p.qkv, (token * row) / kElements + c);
+      const float squares = vector_sum_squares<T>(v);
+      if (c < q_vectors) {
+        sum_q += squares;
+      } else {
+        sum_k += squares;
+      }
+    }
+    sum_q = block_sum(sum_q, shared_sums);
+    sum_k = block_sum(sum_k, shared_sums);
+    if (threadIdx.x == 0) {
+      const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, p.counts_k ? sum_k : 0.0f));
+#pragma unroll
+      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+        if (kWorldSize == 0 && r >= world) break;
+        store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
+                     packet);
+      }
+    }
+  }
+
+  // 3. Arrival, trigger, clear.
+  if (threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
+  launch_dependents();
+  clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_clear_bytes, world,
+             p.exchange.packet_bytes);
+
+  // 4. Receive, normalize, rotate, store.
+  const char* slot_base =
+      p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c >= vectors) continue;
+      values[i] = load_vector(p.qkv, (token * row) / kElements + c);
+      gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
+    }
+    if (threadIdx.x == 0) {
+      float sums[4];
+      for (int r = 0; r < world; ++r) {
+        const Vec16* address =
+            reinterpret_cast<const Vec16*>(slot_base + r * p.exchange.packet_bytes) + token;
+        Vec16 packet = load_packet(address);
+        if (!has_arrived(packet)) {
+          packet = wait_for_packet(address, p.exchange.timeout_ns, &control->error,
+                                   p.exchange.error_flag, r);
+        }
+        if (r == 0) {
+          accumulate_first<float>(sums, packet);
+        } else {
+          accumulate<float>(sums, packet);
+        }
+      }
+      shared_scale[0] = rms_scale(sums[0], p.q_global_size, p.eps);
+      shared_scale[1] = rms_scale(sums[1], p.k_global_size, p.eps);
+    }
+    __syncthreads();
+    float lanes[kVecsPerThread][kElements];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c >= vectors) continue;
+      scale_lanes<T>(values[i], gammas[i], shared_scale[c < q_vectors ? 0 : 1], lanes[i]);
+      if constexpr (kRope) {
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) normalized[c * kElements + e] = lanes[i][e];
+      }
+    }
+    if constexpr (kRope) {
+      __syncthreads();
+      const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c >= vectors) continue;
+        const int64_t start = c * kElements;
+        const int64_t head = start / p.head_dim * p.head_dim;
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) {
+          lanes[i][e] =
+              rope_element(normalized + head, start + e - head, p.rotary_dim, p.rope, cos_sin);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c >= vectors) continue;
+      const Vec16 out = pack<T>(lanes[i]);
+      if (c < q_vectors) {
+        store_vector(p.q_out, (token * p.q_out_stride) / kElements + c, out);
+      } else {
+        store_vector(p.k_out, (token * p.k_out_stride) / kElements + (c - q_vectors), out);
+      }
+    }
+    __syncthreads();  // shared_scale and the normalized row are reused by the next token
+  }
+}
+
+}  // namespace
+
+void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
+                     cudaStream_t stream) {
+  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
+  DeviceGuard guard(team.device);
+  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
+  const bool rope = params.rope != 0;
+  const size_t shared_bytes = rope ? size_t(params.q_size + params.kv_size) * sizeof(float) : 0;
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_world_size(params.exchange.world_size, [&](auto world_tag) {
+      constexpr int kWorld = decltype(world_tag)::value;
+      dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
+        constexpr int kVecs = decltype(vecs_tag)::value;
+        dispatch_bool(rope, [&](auto rope_tag) {
+          constexpr bool kRope = decltype(rope_tag)::value != 0;
+          const auto kernel = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope>;
+          const int resident = team.multiprocessors * resident_blocks_per_multiprocessor(
+                                                          kernel, shape.threads, shared_bytes);
+          const int blocks = int(std::min<int64_t>(params.tokens, resident));
+          launch(kernel, blocks, shape.threads, shared_bytes, stream, params);
+        });
+      });
+    });
+  });
+}
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,144 @@
+// allreduce_qk_rmsnorm on the CPU backend: the shared QK-norm properties at world sizes 2..8
+// (replicated KV heads included), and its argument checks.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "qknorm_properties.h"
+
+namespace tpfuse::testing {
+namespace {
+
+class CpuQkNorm : public ::testing::TestWithParam<int> {};
+
+TEST_P(CpuQkNorm, MatchesFloat64ReferenceOfTheUnfusedPattern) {
+  CpuHarness harness(GetParam());
+  check_qk_random_cases(harness, 100 + GetParam(), 40);
+}
+
+TEST_P(CpuQkNorm, IdenticalSlicesGiveIdenticalBitsOnEveryRank) {
+  CpuHarness harness(GetParam());
+  check_qk_identical_across_ranks(harness, 200 + GetParam());
+}
+
+TEST_P(CpuQkNorm, ZerosNaNAndInfinities) {
+  CpuHarness harness(GetParam());
+  check_qk_adversarial(harness, 300 + GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuQkNorm, ::testing::Values(2, 3, 4, 8),
+                         [](const auto& info) { return "world" + std::to_string(info.param); });
+
+// MiniMax-M2 at TP 2, 4 and 8: 48 query heads and 8 KV heads of 128 over all ranks.
+TEST(CpuQkNormMiniMax, ShapesAtTp248) {
+  std::mt19937_64 rng(400);
+  for (int world : {2, 4, 8}) {
+    CpuHarness harness(world);
+    QkSpec s;
+    s.heads = 48 / world;
+    s.kv_heads = 8 / world;
+    s.rope = RopeStyle::kNeox;
+    s.rotary_dim = 64;
+    s.tokens = 3;
+    const QkData d = random_qk_data(rng, s, world);
+    expect_qk_correct(s, d, run_qk(harness, s, d), world);
+  }
+}
+
+void expect_error_naming(const std::function<void()>& call, const std::string& name) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected an error naming '" << name << "'";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(name), std::string::npos)
+        << "message does not name '" << name << "': " << error.what();
+  }
+}
+
+TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
+  std::vector<Team> team = create_cpu_team(4);
+  alignas(16) static uint16_t qkv[4096], q_gamma[1024], k_gamma[1024], out[4096];
+  alignas(16) static int64_t positions[4];
+  alignas(16) static float cos_sin[1024];
+  QkNormArgs good;
+  good.qkv = qkv;
+  good.q_gamma = q_gamma;
+  good.k_gamma = k_gamma;
+  good.tokens = 2;
+  good.q_size = 256;
+  good.kv_size = 128;
+  good.q_global_size = 1024;
+  good.k_global_size = 512;
+  const auto rejected = [&](const std::function<void(QkNormArgs&)>& mutate,
+                            const std::string& name) {
+    QkNormArgs a = good;
+    mutate(a);
+    expect_error_naming([&] { allreduce_qk_rmsnorm(team[0], a); }, name);
+  };
+  rejected([](auto& a) { a.qkv = nullptr; }, "qkv is null");
+  rejected([](auto& a) { a.q_gamma = nullptr; }, "q_gamma is null");
+  rejected([](auto& a) { a.k_gamma = nullptr; }, "k_gamma is null");
+  rejected([](auto& a) { a.q_size = 12; }, "q_size must be a positive multiple of 8");
+  rejected([](auto& a) { a.kv_size = 0; }, "kv_size");
+  rejected([](auto& a) { a.q_global_size = 128; }, "q_global_size must be >= q_size");
+  rejected([](auto& a) { a.k_global_size = 64; }, "k_global_size must be >= kv_size");
+  rejected([](auto& a) { a.kv_replicas = 3; }, "kv_replicas must divide the world size 4");
+  rejected([](auto& a) { a.q_size = 40000; }, "q_size + kv_size must be at most");
+  rejected([](auto& a) { a.q_out = qkv + 8; }, "q_out overlaps qkv");
+  rejected(
+      [](auto& a) {
+        a.q_out = out;
+        a.k_out = out + 8;
+      },
+      "q_out overlaps k_out");
+  rejected([](auto& a) { a.qkv = qkv + 1; }, "qkv must be 16-byte aligned");
+  rejected([](auto& a) { a.rope = RopeStyle(5); }, "rope 5 is not a RopeStyle");
+  const auto with_rope = [&](QkNormArgs& a) {
+    a.rope = RopeStyle::kNeox;
+    a.head_dim = 64;
+    a.rotary_dim = 32;
+    a.positions = positions;
+    a.cos_sin_cache = cos_sin;
+    a.max_position = 4;
+  };
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.head_dim = 48;
+      },
+      "head_dim must divide q_size");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.rotary_dim = 33;
+      },
+      "rotary_dim must be even");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.rotary_dim = 128;
+      },
+      "rotary_dim must be even");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.positions = nullptr;
+      },
+      "positions is null");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.cos_sin_cache = nullptr;
+      },
+      "cos_sin_cache is null");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.max_position = 0;
+      },
+      "max_position");
+  rejected([](auto& a) { a.eps = -1; }, "eps");
+}
+
+}  // namespace
+}  // namespace tpfuse::testing
