@@ -177,8 +177,8 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
     *control = impl::ControlBlock{};
     controls.push_back(control);
   }
-  // Publishes the sentinel-filled workspaces to the rank threads the caller starts next.
-  std::atomic_thread_fence(std::memory_order_release);
+  // No fence needed: the caller's rank threads start after this returns, and starting a thread
+  // orders everything before it (the sentinel fill included) before the thread's first step.
   std::vector<Team> team;
   for (int r = 0; r < world_size; ++r) {
     auto state = std::make_shared<impl::TeamState>();

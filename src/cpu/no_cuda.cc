@@ -21,6 +21,14 @@ void cuda_check(const TeamState&) {
 void cuda_validate_call(const TeamState&, const AddRmsNormArgs&, cudaStream_t, const char*) {
   no_cuda("validate");
 }
+void cuda_qk_rmsnorm(const TeamState&, const QkNormParams&, DType, cudaStream_t) {
+  no_cuda("allreduce_qk_rmsnorm");
+}
+void cuda_validate_pointers(const TeamState&,
+                            std::initializer_list<std::pair<const char*, const void*>>,
+                            cudaStream_t, const char*) {
+  no_cuda("validate");
+}
 
 }  // namespace impl
 
