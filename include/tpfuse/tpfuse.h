@@ -134,6 +134,18 @@ struct QkNormArgs {
 // eps) * q_gamma, k likewise, then the optional RoPE; rounded once to dtype. One kernel per call.
 void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream = nullptr);
 
+// The QK norm's two local halves, for a runtime that all-reduces the sums itself (and for the
+// NCCL path): qk_sum_squares writes this rank's sums[token] = {sum q^2, sum k^2} (fp32, k as 0
+// when count_k is false: a replica whose KV heads another rank counts); qk_rmsnorm_from_sums
+// normalizes (and rotates) with the global sums. Given sums summed in rank order in fp32, the
+// outputs have the same bits as allreduce_qk_rmsnorm's. sums: [tokens, 2] fp32, 8-byte aligned,
+// on the same device as the tensors (host memory for kCpu). q_global_size and k_global_size are
+// used; kv_replicas is not.
+void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
+                    cudaStream_t stream = nullptr);
+void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
+                          cudaStream_t stream = nullptr);
+
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
 bool cuda_available();
 int cuda_device_count();

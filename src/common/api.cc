@@ -195,8 +195,14 @@ ExchangeParams make_exchange_params(const TeamState& team) {
 }
 
 QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args) {
-  QkNormParams params{};
+  QkNormParams params = make_qk_local_params(args);
   params.exchange = make_exchange_params(team);
+  params.counts_k = team.rank % args.kv_replicas == 0;
+  return params;
+}
+
+QkNormParams make_qk_local_params(const QkNormArgs& args) {
+  QkNormParams params{};
   const int64_t row = args.q_size + 2 * args.kv_size;
   const size_t element = dtype_size(args.dtype);
   params.qkv = args.qkv;
@@ -213,7 +219,7 @@ QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args) {
   params.kv_size = args.kv_size;
   params.q_global_size = args.q_global_size;
   params.k_global_size = args.k_global_size;
-  params.counts_k = team.rank % args.kv_replicas == 0;
+  params.counts_k = 1;
   params.eps = args.eps;
   params.rope = int(args.rope);
   params.head_dim = args.head_dim;
@@ -224,6 +230,16 @@ QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args) {
 }
 
 void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char* op) {
+  validate_qk_args(a, op);
+  TPF_CHECK_ARG(
+      a.kv_replicas >= 1 && team.world_size % a.kv_replicas == 0, op,
+      "kv_replicas must divide the world size " << team.world_size << ", got " << a.kv_replicas);
+  TPF_CHECK_ARG(size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes, op,
+                "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
+                          << " packet bytes, over the team's " << team.packet_bytes);
+}
+
+void validate_qk_args(const QkNormArgs& a, const char* op) {
   const int dtype = int(a.dtype);
   TPF_CHECK_ARG(dtype >= 0 && dtype <= 2, op,
                 "dtype " << dtype << " is not one of float32, float16, bfloat16");
@@ -242,9 +258,6 @@ void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char*
                 "q_global_size must be >= q_size (" << a.q_size << "), got " << a.q_global_size);
   TPF_CHECK_ARG(a.k_global_size >= a.kv_size, op,
                 "k_global_size must be >= kv_size (" << a.kv_size << "), got " << a.k_global_size);
-  TPF_CHECK_ARG(
-      a.kv_replicas >= 1 && team.world_size % a.kv_replicas == 0, op,
-      "kv_replicas must divide the world size " << team.world_size << ", got " << a.kv_replicas);
   TPF_CHECK_ARG(std::isfinite(a.eps) && a.eps >= 0.0f, op,
                 "eps must be finite and >= 0, got " << a.eps);
   TPF_CHECK_ARG(a.qkv != nullptr, op, "qkv is null");
@@ -295,9 +308,6 @@ void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char*
     TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(a.cos_sin_cache) % 4 == 0, op,
                   "cos_sin_cache must be 4-byte aligned");
   }
-  TPF_CHECK_ARG(size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes, op,
-                "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
-                          << " packet bytes, over the team's " << team.packet_bytes);
 }
 
 void validate_team_options(const TeamOptions& options, const char* op) {
@@ -383,8 +393,44 @@ void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t
   if (state.backend == Backend::kCuda) {
     impl::cuda_qk_rmsnorm(state, params, args.dtype, stream);
   } else {
-    impl::cpu_qk_rmsnorm(params, args.dtype);
+    impl::cpu_qk_rmsnorm(params, args.dtype, impl::QkPass::kFused);
   }
+}
+
+namespace {
+
+void run_qk_local(Backend backend, const QkNormArgs& args, impl::QkNormParams params,
+                  impl::QkPass pass, cudaStream_t stream, const char* op) {
+  impl::validate_qk_args(args, op);
+  TPF_CHECK_ARG(params.sums != nullptr, op, "sums is null");
+  TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(params.sums) % 8 == 0, op,
+                "sums must be 8-byte aligned");
+  if (backend != Backend::kCuda) {
+    TPF_CHECK_ARG(stream == nullptr, op, "stream must be null for the CPU backend");
+  }
+  if (args.tokens == 0) return;
+  if (backend == Backend::kCuda) {
+    impl::cuda_qk_local(params, args.dtype, pass, stream);
+  } else {
+    impl::cpu_qk_rmsnorm(params, args.dtype, pass);
+  }
+}
+
+}  // namespace
+
+void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
+                    cudaStream_t stream) {
+  impl::QkNormParams params = impl::make_qk_local_params(args);
+  params.sums = sums;
+  params.counts_k = count_k;
+  run_qk_local(backend, args, params, impl::QkPass::kSums, stream, "qk_sum_squares");
+}
+
+void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
+                          cudaStream_t stream) {
+  impl::QkNormParams params = impl::make_qk_local_params(args);
+  params.sums = const_cast<float*>(sums);  // only read in this pass
+  run_qk_local(backend, args, params, impl::QkPass::kNormFromSums, stream, "qk_rmsnorm_from_sums");
 }
 
 void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {

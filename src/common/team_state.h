@@ -90,14 +90,21 @@ struct QkNormParams {
   int64_t rotary_dim;
   const int64_t* positions;
   const float* cos_sin_cache;
+  float* sums;  // local halves only: [tokens, 2] written (sum pass) or read (norm pass)
 };
+
+enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
 
 ExchangeParams make_exchange_params(const TeamState& team);
 QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args);
+// The tensor fields alone (counts_k = 1): what the local passes need.
+QkNormParams make_qk_local_params(const QkNormArgs& args);
+void validate_qk_args(const QkNormArgs& args, const char* op);
 void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& args, const char* op);
-void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype);
+void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype, QkPass pass);
 void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
                      cudaStream_t stream);
+void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream);
 void cuda_validate_pointers(const TeamState& team,
                             std::initializer_list<std::pair<const char*, const void*>> pointers,
                             cudaStream_t stream, const char* op);

@@ -20,26 +20,86 @@ Vec16 load_at(const void* base, int64_t element_offset, size_t element_size) {
   return v;
 }
 
+// This rank's {sum q^2, sum k^2} of one token (k as 0 where this rank does not count it).
 template <typename T>
-void qk_rmsnorm(const QkNormParams& p) {
+void row_sums(const QkNormParams& p, int64_t token, float& sum_q, float& sum_k) {
   constexpr int kElements = Packed<T>::kElements;
+  const int64_t row = p.q_size + 2 * p.kv_size;
+  sum_q = 0.0f;
+  sum_k = 0.0f;
+  for (int64_t e = 0; e < p.q_size; e += kElements) {
+    sum_q += vector_sum_squares<T>(load_at(p.qkv, token * row + e, sizeof(T)));
+  }
+  if (!p.counts_k) return;
+  for (int64_t e = 0; e < p.kv_size; e += kElements) {
+    sum_k += vector_sum_squares<T>(load_at(p.qkv, token * row + p.q_size + e, sizeof(T)));
+  }
+}
+
+// Normalizes (and rotates) one token's q and k with the global sums; `normalized` and
+// `rotated` are scratch rows.
+template <typename T>
+void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_k,
+                   std::vector<float>& normalized, std::vector<float>& rotated) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t row = p.q_size + 2 * p.kv_size;
+  const float scale_q = rms_scale(sum_q, p.q_global_size, p.eps);
+  const float scale_k = rms_scale(sum_k, p.k_global_size, p.eps);
+  for (int64_t e = 0; e < p.q_size; e += kElements) {
+    float(&lanes)[kElements] = *reinterpret_cast<float(*)[kElements]>(&normalized[e]);
+    scale_lanes<T>(load_at(p.qkv, token * row + e, sizeof(T)), load_at(p.q_gamma, e, sizeof(T)),
+                   scale_q, lanes);
+  }
+  for (int64_t e = 0; e < p.kv_size; e += kElements) {
+    float(&lanes)[kElements] = *reinterpret_cast<float(*)[kElements]>(&normalized[p.q_size + e]);
+    scale_lanes<T>(load_at(p.qkv, token * row + p.q_size + e, sizeof(T)),
+                   load_at(p.k_gamma, e, sizeof(T)), scale_k, lanes);
+  }
+  if (p.rope != 0) {
+    const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+    for (int64_t head = 0; head < p.q_size + p.kv_size; head += p.head_dim) {
+      for (int64_t j = 0; j < p.head_dim; ++j) {
+        rotated[j] = rope_element(&normalized[head], j, p.rotary_dim, p.rope, cos_sin);
+      }
+      std::memcpy(&normalized[head], rotated.data(), size_t(p.head_dim) * sizeof(float));
+    }
+  }
+  for (int64_t e = 0; e < p.q_size + p.kv_size; e += kElements) {
+    const Vec16 out = pack<T>(*reinterpret_cast<const float(*)[kElements]>(&normalized[e]));
+    char* destination =
+        e < p.q_size
+            ? static_cast<char*>(p.q_out) + (token * p.q_out_stride + e) * int64_t(sizeof(T))
+            : static_cast<char*>(p.k_out) +
+                  (token * p.k_out_stride + e - p.q_size) * int64_t(sizeof(T));
+    std::memcpy(destination, &out, 16);
+  }
+}
+
+template <typename T>
+void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
+  std::vector<float> normalized(size_t(p.q_size + p.kv_size));
+  std::vector<float> rotated(size_t(p.head_dim > 0 ? p.head_dim : 1));
+  if (pass == QkPass::kSums) {
+    for (int64_t token = 0; token < p.tokens; ++token) {
+      row_sums<T>(p, token, p.sums[2 * token], p.sums[2 * token + 1]);
+    }
+    return;
+  }
+  if (pass == QkPass::kNormFromSums) {
+    for (int64_t token = 0; token < p.tokens; ++token) {
+      normalize_row<T>(p, token, p.sums[2 * token], p.sums[2 * token + 1], normalized, rotated);
+    }
+    return;
+  }
   const ExchangeParams& x = p.exchange;
   ControlBlock& control = *x.control;
   check_not_failed(x.error_flag, x.rank);
   const uint32_t slot = control.slot;
-  const int64_t row = p.q_size + 2 * p.kv_size;
 
   // Send: {sum q^2, sum k^2} per token to every rank.
   for (int64_t token = 0; token < p.tokens; ++token) {
-    float sum_q = 0.0f, sum_k = 0.0f;
-    for (int64_t e = 0; e < p.q_size; e += kElements) {
-      sum_q += vector_sum_squares<T>(load_at(p.qkv, token * row + e, sizeof(T)));
-    }
-    if (p.counts_k) {
-      for (int64_t e = 0; e < p.kv_size; e += kElements) {
-        sum_k += vector_sum_squares<T>(load_at(p.qkv, token * row + p.q_size + e, sizeof(T)));
-      }
-    }
+    float sum_q, sum_k;
+    row_sums<T>(p, token, sum_q, sum_k);
     const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, sum_k));
     for (int r = 0; r < x.world_size; ++r) {
       store_vector(
@@ -49,11 +109,9 @@ void qk_rmsnorm(const QkNormParams& p) {
   }
   clear_previous_slot(x.workspace[x.rank], control, x.world_size, x.packet_bytes);
 
-  // Receive, normalize, rotate, store.
-  std::vector<float> normalized(size_t(p.q_size + p.kv_size));
-  std::vector<float> rotated(size_t(p.head_dim > 0 ? p.head_dim : 1));
+  // Receive: sum the packets in rank order, then normalize, rotate, store.
   for (int64_t token = 0; token < p.tokens; ++token) {
-    float sums[4];
+    float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
       const char* address =
           x.workspace[x.rank] + packet_offset(slot, r, x.world_size, x.packet_bytes) + token * 16;
@@ -64,36 +122,7 @@ void qk_rmsnorm(const QkNormParams& p) {
         accumulate<float>(sums, packet);
       }
     }
-    const float scale_q = rms_scale(sums[0], p.q_global_size, p.eps);
-    const float scale_k = rms_scale(sums[1], p.k_global_size, p.eps);
-    for (int64_t e = 0; e < p.q_size; e += kElements) {
-      float(&lanes)[kElements] = *reinterpret_cast<float(*)[kElements]>(&normalized[e]);
-      scale_lanes<T>(load_at(p.qkv, token * row + e, sizeof(T)), load_at(p.q_gamma, e, sizeof(T)),
-                     scale_q, lanes);
-    }
-    for (int64_t e = 0; e < p.kv_size; e += kElements) {
-      float(&lanes)[kElements] = *reinterpret_cast<float(*)[kElements]>(&normalized[p.q_size + e]);
-      scale_lanes<T>(load_at(p.qkv, token * row + p.q_size + e, sizeof(T)),
-                     load_at(p.k_gamma, e, sizeof(T)), scale_k, lanes);
-    }
-    if (p.rope != 0) {
-      const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
-      for (int64_t head = 0; head < p.q_size + p.kv_size; head += p.head_dim) {
-        for (int64_t j = 0; j < p.head_dim; ++j) {
-          rotated[j] = rope_element(&normalized[head], j, p.rotary_dim, p.rope, cos_sin);
-        }
-        std::memcpy(&normalized[head], rotated.data(), size_t(p.head_dim) * sizeof(float));
-      }
-    }
-    for (int64_t e = 0; e < p.q_size + p.kv_size; e += kElements) {
-      const Vec16 out = pack<T>(*reinterpret_cast<const float(*)[kElements]>(&normalized[e]));
-      char* destination =
-          e < p.q_size
-              ? static_cast<char*>(p.q_out) + (token * p.q_out_stride + e) * int64_t(sizeof(T))
-              : static_cast<char*>(p.k_out) +
-                    (token * p.k_out_stride + e - p.q_size) * int64_t(sizeof(T));
-      std::memcpy(destination, &out, 16);
-    }
+    normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }
   control.slot_bytes[slot] = size_t(p.tokens) * 16;
   control.slot = next_slot(slot);
@@ -101,8 +130,8 @@ void qk_rmsnorm(const QkNormParams& p) {
 
 }  // namespace
 
-void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype) {
-  dispatch_dtype(dtype, [&](auto tag) { qk_rmsnorm<typename decltype(tag)::type>(params); });
+void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype, QkPass pass) {
+  dispatch_dtype(dtype, [&](auto tag) { qk_rmsnorm<typename decltype(tag)::type>(params, pass); });
 }
 
 }  // namespace tpfuse::impl

@@ -24,6 +24,9 @@ void cuda_validate_call(const TeamState&, const AddRmsNormArgs&, cudaStream_t, c
 void cuda_qk_rmsnorm(const TeamState&, const QkNormParams&, DType, cudaStream_t) {
   no_cuda("allreduce_qk_rmsnorm");
 }
+void cuda_qk_local(const QkNormParams&, DType, QkPass, cudaStream_t) {
+  no_cuda("qk_sum_squares / qk_rmsnorm_from_sums");
+}
 void cuda_validate_pointers(const TeamState&,
                             std::initializer_list<std::pair<const char*, const void*>>,
                             cudaStream_t, const char*) {

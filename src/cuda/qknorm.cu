@@ -25,8 +25,12 @@
 namespace tpfuse::impl {
 namespace {
 
-template <typename T, int kWorldSize, int kVecsPerThread, bool kRope>
+// kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to
+// p.sums instead of sending them; kNormFromSums skips steps 1-3 and takes the global sums from
+// p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
+template <typename T, int kWorldSize, int kVecsPerThread, bool kRope, QkPass kPass>
 __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormParams p) {
+  constexpr bool kFused = kPass == QkPass::kFused;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
   const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
@@ -42,9 +46,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   __shared__ uint32_t shared_failed;
 
   grid_dependency_wait();
+  if constexpr (!kFused) launch_dependents();  // a local pass has no slot to protect
 
   // 1. Volatile loads: the writer was a previous grid, complete and flushed (the wait).
-  if (threadIdx.x == 0) {
+  if (kFused && threadIdx.x == 0) {
     const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
     shared_slot = slot;
     shared_clear_bytes =
@@ -52,8 +57,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
   }
   __syncthreads();
-  if (shared_failed != 0) return;  // a failed team sends nothing: its peers time out too
-  const uint32_t slot = shared_slot;
+  if (kFused && shared_failed != 0) return;  // a failed team sends nothing: peers time out too
+  const uint32_t slot = kFused ? shared_slot : 0;
   const size_t send_offset = packet_offset(slot, rank, world, p.exchange.packet_bytes);
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
@@ -61,7 +66,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
 
   // 2. Send.
-  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+  for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
+       token += gridDim.x) {
     float sum_q = 0.0f, sum_k = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
@@ -77,7 +83,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     }
     sum_q = block_sum(sum_q, shared_sums);
     sum_k = block_sum(sum_k, shared_sums);
-    if (threadIdx.x == 0) {
+    if (kPass == QkPass::kSums && threadIdx.x == 0) {
+      p.sums[2 * token] = sum_q;
+      p.sums[2 * token + 1] = p.counts_k ? sum_k : 0.0f;
+    }
+    if (kFused && threadIdx.x == 0) {
       const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, p.counts_k ? sum_k : 0.0f));
 #pragma unroll
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
@@ -88,11 +98,15 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     }
   }
 
+  if constexpr (kPass == QkPass::kSums) return;
+
   // 3. Arrival, trigger, clear.
-  if (threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
-  launch_dependents();
-  clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_clear_bytes, world,
-             p.exchange.packet_bytes);
+  if (kFused && threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
+  if constexpr (kFused) {
+    launch_dependents();
+    clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_clear_bytes, world,
+               p.exchange.packet_bytes);
+  }
 
   // 4. Receive, normalize, rotate, store.
   const char* slot_base =
@@ -106,7 +120,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       values[i] = load_vector(p.qkv, (token * row) / kElements + c);
       gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
     }
-    if (threadIdx.x == 0) {
+    if (kPass == QkPass::kNormFromSums && threadIdx.x == 0) {
+      shared_scale[0] = rms_scale(p.sums[2 * token], p.q_global_size, p.eps);
+      shared_scale[1] = rms_scale(p.sums[2 * token + 1], p.k_global_size, p.eps);
+    }
+    if (kFused && threadIdx.x == 0) {
       float sums[4];
       for (int r = 0; r < world; ++r) {
         const Vec16* address =
@@ -185,12 +203,35 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
         constexpr int kVecs = decltype(vecs_tag)::value;
         dispatch_bool(rope, [&](auto rope_tag) {
           constexpr bool kRope = decltype(rope_tag)::value != 0;
-          const auto kernel = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope>;
+          const auto kernel = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>;
           const int resident = team.multiprocessors * resident_blocks_per_multiprocessor(
                                                           kernel, shape.threads, shared_bytes);
           const int blocks = int(std::min<int64_t>(params.tokens, resident));
           launch(kernel, blocks, shape.threads, shared_bytes, stream, params);
         });
+      });
+    });
+  });
+}
+
+void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
+  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
+  const bool rope = pass == QkPass::kNormFromSums && params.rope != 0;
+  const size_t shared_bytes = rope ? size_t(params.q_size + params.kv_size) * sizeof(float) : 0;
+  const int blocks = int(std::min<int64_t>(params.tokens, 65535));
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
+      constexpr int kVecs = decltype(vecs_tag)::value;
+      if (pass == QkPass::kSums) {
+        launch(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kSums>, blocks, shape.threads, 0,
+               stream, params);
+        return;
+      }
+      dispatch_bool(rope, [&](auto rope_tag) {
+        constexpr bool kRope = decltype(rope_tag)::value != 0;
+        launch(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>, blocks, shape.threads,
+               shared_bytes, stream, params);
       });
     });
   });

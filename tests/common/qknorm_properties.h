@@ -325,4 +325,88 @@ inline void check_qk_adversarial(Harness& h, uint64_t seed) {
   expect_qk_correct(s, d, run_qk(h, s, d), h.world_size());
 }
 
+// The local halves (qk_sum_squares on every rank, the sums added in rank order in fp32, then
+// qk_rmsnorm_from_sums) give the fused op's bits exactly: the NCCL path's contract.
+inline void check_qk_halves_match_fused(Harness& h, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int world = h.world_size();
+  const Backend backend = h.team()[0].backend();
+  for (int c = 0; c < 6; ++c) {
+    QkSpec s = random_qk_spec(rng, world);
+    s.in_place = false;
+    const QkData d = random_qk_data(rng, s, world);
+    const QkResult fused = run_qk(h, s, d);
+    const size_t element = dtype_size(s.dtype);
+    std::vector<std::vector<float>> local(world, std::vector<float>(size_t(2 * s.tokens)));
+    std::vector<float> global(size_t(2 * s.tokens));
+    QkResult halves;
+    struct Buffers {
+      void *qkv, *q_out, *k_out, *q_gamma, *k_gamma, *positions, *cos_sin, *sums;
+    };
+    std::vector<Buffers> b(world);
+    for (int r = 0; r < world; ++r) {
+      b[r].qkv = h.allocate(r, d.qkv[r].bytes.size());
+      h.upload(r, b[r].qkv, d.qkv[r].data(), d.qkv[r].bytes.size());
+      b[r].q_out = h.allocate(r, size_t(s.tokens * s.q_size()) * element);
+      b[r].k_out = h.allocate(r, size_t(s.tokens * s.kv_size()) * element);
+      b[r].q_gamma = h.allocate(r, d.q_gamma[r].bytes.size());
+      h.upload(r, b[r].q_gamma, d.q_gamma[r].data(), d.q_gamma[r].bytes.size());
+      b[r].k_gamma = h.allocate(r, d.k_gamma[r].bytes.size());
+      h.upload(r, b[r].k_gamma, d.k_gamma[r].data(), d.k_gamma[r].bytes.size());
+      b[r].positions = b[r].cos_sin = nullptr;
+      if (s.rope != RopeStyle::kNone) {
+        b[r].positions = h.allocate(r, d.positions.size() * 8);
+        h.upload(r, b[r].positions, d.positions.data(), d.positions.size() * 8);
+        b[r].cos_sin = h.allocate(r, d.cos_sin.size() * 4);
+        h.upload(r, b[r].cos_sin, d.cos_sin.data(), d.cos_sin.size() * 4);
+      }
+      b[r].sums = h.allocate(r, size_t(2 * s.tokens) * 4);
+    }
+    const auto args_for = [&](int r) {
+      QkNormArgs a;
+      a.qkv = b[r].qkv;
+      a.q_out = b[r].q_out;
+      a.k_out = b[r].k_out;
+      a.q_gamma = b[r].q_gamma;
+      a.k_gamma = b[r].k_gamma;
+      a.tokens = s.tokens;
+      a.q_size = s.q_size();
+      a.kv_size = s.kv_size();
+      a.q_global_size = s.q_size() * world;
+      a.k_global_size = s.kv_size() * world / s.kv_replicas;
+      a.dtype = s.dtype;
+      a.eps = s.eps;
+      a.rope = s.rope;
+      a.head_dim = s.head_dim;
+      a.rotary_dim = s.rotary_dim;
+      a.positions = static_cast<const int64_t*>(b[r].positions);
+      a.cos_sin_cache = static_cast<const float*>(b[r].cos_sin);
+      a.max_position = d.max_position;
+      return a;
+    };
+    h.run([&](int r, cudaStream_t stream) {
+      qk_sum_squares(backend, args_for(r), r % s.kv_replicas == 0, static_cast<float*>(b[r].sums),
+                     stream);
+    });
+    for (int r = 0; r < world; ++r) {
+      h.download(r, local[r].data(), b[r].sums, local[r].size() * 4);
+      for (size_t i = 0; i < global.size(); ++i)
+        global[i] = r == 0 ? local[0][i] : global[i] + local[r][i];
+    }
+    for (int r = 0; r < world; ++r) h.upload(r, b[r].sums, global.data(), global.size() * 4);
+    h.run([&](int r, cudaStream_t stream) {
+      qk_rmsnorm_from_sums(backend, args_for(r), static_cast<const float*>(b[r].sums), stream);
+    });
+    for (int r = 0; r < world; ++r) {
+      HostTensor q(s.dtype, size_t(s.tokens * s.q_size())),
+          k(s.dtype, size_t(s.tokens * s.kv_size()));
+      h.download(r, q.data(), b[r].q_out, q.bytes.size());
+      h.download(r, k.data(), b[r].k_out, k.bytes.size());
+      EXPECT_TRUE(q.bytes == fused.q[r].bytes) << describe(s) << ": q of rank " << r;
+      EXPECT_TRUE(k.bytes == fused.k[r].bytes) << describe(s) << ": k of rank " << r;
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 }  // namespace tpfuse::testing

@@ -26,6 +26,11 @@ TEST_P(CpuQkNorm, ZerosNaNAndInfinities) {
   check_qk_adversarial(harness, 300 + GetParam());
 }
 
+TEST_P(CpuQkNorm, LocalHalvesGiveTheFusedBits) {
+  CpuHarness harness(GetParam());
+  check_qk_halves_match_fused(harness, 350 + GetParam());
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuQkNorm, ::testing::Values(2, 3, 4, 8),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
@@ -138,6 +143,14 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
       },
       "max_position");
   rejected([](auto& a) { a.eps = -1; }, "eps");
+  float sums[8];
+  expect_error_naming([&] { qk_sum_squares(Backend::kCpu, good, true, nullptr); }, "sums is null");
+  expect_error_naming([&] { qk_sum_squares(Backend::kCpu, good, true, sums + 1); },
+                      "sums must be 8-byte aligned");
+  QkNormArgs bad = good;
+  bad.q_size = 12;
+  expect_error_naming([&] { qk_rmsnorm_from_sums(Backend::kCpu, bad, sums); },
+                      "qk_rmsnorm_from_sums: q_size must be a positive multiple of 8");
 }
 
 }  // namespace

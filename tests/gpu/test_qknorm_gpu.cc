@@ -26,6 +26,11 @@ TEST_F(GpuQkNorm, IdenticalSlicesGiveIdenticalBitsOnEveryRank) {
   check_qk_identical_across_ranks(harness, 501);
 }
 
+TEST_F(GpuQkNorm, LocalHalvesGiveTheFusedBits) {
+  CudaHarness harness(gpus());
+  check_qk_halves_match_fused(harness, 505);
+}
+
 TEST_F(GpuQkNorm, ZerosNaNAndInfinities) {
   CudaHarness harness(gpus());
   check_qk_adversarial(harness, 502);
