@@ -74,8 +74,16 @@ struct DeviceBufferSet {
 };
 
 // What every rank thread measures: widths with their token counts, and buffer sizes.
+// MiniMax-M2's attention: 48 query heads and 8 KV heads of 128, partial RoPE over 64 dims.
+constexpr int64_t kQkHeads = 48;
+constexpr int64_t kQkKvHeads = 8;
+constexpr int64_t kQkHeadDim = 128;
+constexpr int64_t kQkRotaryDim = 64;
+constexpr int64_t kQkMaxPosition = 4096;
+
 struct GpuPlan {
   std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
+  int64_t max_tokens = 1;
   size_t buffer_bytes = 0;
   int64_t max_hidden = 0;
   int ops_per_graph = 0;
@@ -144,6 +152,9 @@ class GpuRank {
   int rank() const { return team_.rank(); }
   cudaStream_t stream() const { return stream_; }
   const void* gamma() const { return gamma_; }
+  const int64_t* positions() const { return positions_; }
+  const float* cos_sin() const { return cos_sin_; }
+  float* sums() const { return sums_; }
 #if TPFUSE_BENCH_NCCL
   ncclComm_t comm() const {
     return comm_;
@@ -225,6 +236,25 @@ class GpuRank {
     }
     gamma_ = allocate(size_t(plan.max_hidden) * dtype_size(plan.dtype));
     fill_random_device(gamma_, plan.max_hidden, plan.dtype, kSeedGamma, 0.5f, 1.5f, stream_);
+    // The QK-norm rows: RoPE positions (spread over the cache), the cos|sin cache, [T,2] sums.
+    std::vector<int64_t> positions(size_t(plan.max_tokens));
+    for (size_t t = 0; t < positions.size(); ++t)
+      positions[t] = int64_t((t * 7919) % kQkMaxPosition);
+    std::vector<float> cos_sin(size_t(kQkMaxPosition * kQkRotaryDim));
+    for (int64_t p = 0; p < kQkMaxPosition; ++p) {
+      for (int64_t i = 0; i < kQkRotaryDim / 2; ++i) {
+        const double angle = double(p) * std::pow(5e6, -2.0 * double(i) / double(kQkRotaryDim));
+        cos_sin[size_t(p * kQkRotaryDim + i)] = float(std::cos(angle));
+        cos_sin[size_t(p * kQkRotaryDim + kQkRotaryDim / 2 + i)] = float(std::sin(angle));
+      }
+    }
+    positions_ = static_cast<int64_t*>(allocate(positions.size() * sizeof(int64_t)));
+    cos_sin_ = static_cast<float*>(allocate(cos_sin.size() * sizeof(float)));
+    sums_ = static_cast<float*>(allocate(size_t(plan.max_tokens) * 2 * sizeof(float)));
+    TPF_CHECK_CUDA(cudaMemcpyAsync(positions_, positions.data(), positions.size() * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, stream_));
+    TPF_CHECK_CUDA(cudaMemcpyAsync(cos_sin_, cos_sin.data(), cos_sin.size() * sizeof(float),
+                                   cudaMemcpyHostToDevice, stream_));
     TPF_CHECK_CUDA(cudaStreamSynchronize(stream_));
   }
 
@@ -292,6 +322,9 @@ class GpuRank {
 #endif
   std::array<DeviceBufferSet, kBufferSets> sets_{};
   void* gamma_ = nullptr;
+  int64_t* positions_ = nullptr;
+  float* cos_sin_ = nullptr;
+  float* sums_ = nullptr;
   std::vector<void*> allocations_;
 };
 
@@ -395,6 +428,68 @@ void run_rank(GpuRank& gpu, RankBarrier& barrier, const GpuPlan& plan,
       }
     }
   }
+
+  // The QK norm at MiniMax-M2's shapes for this world size (KV heads replicated when the world
+  // is larger than 8), in place in each buffer set's qkv rows, with and without RoPE: the fused
+  // op against its unfused form (sum-of-squares kernel, NCCL all-reduce of the [T, 2] fp32 sums,
+  // norm kernel), which computes the same bits.
+  const int kv_replicas = world_size > kQkKvHeads ? int(world_size / kQkKvHeads) : 1;
+  const int64_t q_size = kQkHeads / world_size * kQkHeadDim;
+  const int64_t kv_size = std::max<int64_t>(1, kQkKvHeads / world_size) * kQkHeadDim;
+  const int64_t qk_row = q_size + 2 * kv_size;
+  if (kQkHeads % world_size != 0 || q_size > plan.max_hidden) return;
+  for (int64_t tokens = 1; tokens <= plan.max_tokens; tokens *= 2) {
+    if (size_t(tokens * qk_row) * dtype_size(dtype) > plan.buffer_bytes) break;
+    for (const bool rope : {false, true}) {
+      const auto qk_args = [&](const DeviceBufferSet& set) {
+        QkNormArgs args;
+        args.qkv = set.input;
+        args.q_gamma = gpu.gamma();
+        args.k_gamma = gpu.gamma();
+        args.tokens = tokens;
+        args.q_size = q_size;
+        args.kv_size = kv_size;
+        args.q_global_size = kQkHeads * kQkHeadDim;
+        args.k_global_size = kQkKvHeads * kQkHeadDim;
+        args.kv_replicas = kv_replicas;
+        args.dtype = dtype;
+        args.eps = kEps;
+        if (rope) {
+          args.rope = RopeStyle::kNeox;
+          args.head_dim = kQkHeadDim;
+          args.rotary_dim = kQkRotaryDim;
+          args.positions = gpu.positions();
+          args.cos_sin_cache = gpu.cos_sin();
+          args.max_position = kQkMaxPosition;
+        }
+        return args;
+      };
+      double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        allreduce_qk_rmsnorm(team, qk_args(set), stream);
+      });
+      team.check();
+      add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope" : "tpfuse_fused", q_size + kv_size,
+          tokens, world_size, us, true);
+#if TPFUSE_BENCH_NCCL
+      const bool count_k = gpu.rank() % kv_replicas == 0;
+      double unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+        const QkNormArgs args = qk_args(set);
+        qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);
+        TPF_CHECK_NCCL(ncclAllReduce(gpu.sums(), gpu.sums(), size_t(2 * tokens), ncclFloat32,
+                                     ncclSum, gpu.comm(), stream));
+        qk_rmsnorm_from_sums(Backend::kCuda, args, gpu.sums(), stream);
+      });
+      add("allreduce_qk_rmsnorm", rope ? "nccl_ar_sums+local_rope" : "nccl_ar_sums+local",
+          q_size + kv_size, tokens, world_size, unfused, false);
+#else
+      double unfused = std::numeric_limits<double>::quiet_NaN();
+#endif
+      if (is_rank0) {
+        std::fprintf(stderr, "qk norm%s tokens %lld (us/op, rank 0): tpfuse %.2f  unfused %.2f\n",
+                     rope ? "+rope" : "", static_cast<long long>(tokens), us, unfused);
+      }
+    }
+  }
 }
 
 void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
@@ -473,6 +568,7 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
     plan.buffer_bytes =
         std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
     plan.max_hidden = std::max(plan.max_hidden, hidden);
+    for (int64_t t : tokens) plan.max_tokens = std::max(plan.max_tokens, t);
     plan.shapes.emplace_back(hidden, std::move(tokens));
   }
 
