@@ -98,62 +98,70 @@ inline QkData random_qk_data(std::mt19937_64& rng, const QkSpec& s, int world,
   return d;
 }
 
-// Runs one call on every rank of the harness (fresh buffers each call; outputs poisoned).
-inline QkResult run_qk(Harness& h, const QkSpec& s, const QkData& d) {
+// One rank's copies of a case: qkv, outputs (null in place), weights, RoPE position and cache.
+struct QkBuffers {
+  void *qkv, *q_out, *k_out, *q_gamma, *k_gamma, *positions, *cos_sin;
+};
+
+// Uploads every rank's inputs to fresh buffers; separate outputs (unless in place) are poisoned.
+inline std::vector<QkBuffers> upload_qk(Harness& h, const QkSpec& s, const QkData& d) {
+  const size_t element = dtype_size(s.dtype);
+  const HostTensor poison = poisoned(s.dtype, size_t(s.tokens * s.row()));
+  std::vector<QkBuffers> b(size_t(h.world_size()));
+  const auto copy = [&](int r, const void* data, size_t bytes) {
+    void* pointer = h.allocate(r, bytes);
+    h.upload(r, pointer, data, bytes);
+    return pointer;
+  };
+  for (int r = 0; r < h.world_size(); ++r) {
+    b[r].qkv = copy(r, d.qkv[r].data(), d.qkv[r].bytes.size());
+    b[r].q_out =
+        s.in_place ? nullptr : copy(r, poison.data(), size_t(s.tokens * s.q_size()) * element);
+    b[r].k_out =
+        s.in_place ? nullptr : copy(r, poison.data(), size_t(s.tokens * s.kv_size()) * element);
+    b[r].q_gamma = copy(r, d.q_gamma[r].data(), d.q_gamma[r].bytes.size());
+    b[r].k_gamma = copy(r, d.k_gamma[r].data(), d.k_gamma[r].bytes.size());
+    b[r].positions = b[r].cos_sin = nullptr;
+    if (s.rope != RopeStyle::kNone) {
+      b[r].positions = copy(r, d.positions.data(), d.positions.size() * 8);
+      b[r].cos_sin = copy(r, d.cos_sin.data(), d.cos_sin.size() * 4);
+    }
+  }
+  return b;
+}
+
+inline QkNormArgs qk_args(const QkSpec& s, const QkBuffers& b, int64_t max_position, int world) {
+  QkNormArgs a;
+  a.qkv = b.qkv;
+  a.q_out = b.q_out;
+  a.k_out = b.k_out;
+  a.q_gamma = b.q_gamma;
+  a.k_gamma = b.k_gamma;
+  a.tokens = s.tokens;
+  a.q_size = s.q_size();
+  a.kv_size = s.kv_size();
+  a.q_global_size = s.q_size() * world;
+  a.k_global_size = s.kv_size() * world / s.kv_replicas;
+  a.kv_replicas = s.kv_replicas;
+  a.dtype = s.dtype;
+  a.eps = s.eps;
+  a.rope = s.rope;
+  a.head_dim = s.head_dim;
+  a.rotary_dim = s.rotary_dim;
+  a.positions = static_cast<const int64_t*>(b.positions);
+  a.cos_sin_cache = static_cast<const float*>(b.cos_sin);
+  a.max_position = max_position;
+  return a;
+}
+
+// Downloads every rank's q and k (out of qkv when in place, checking v was left alone).
+inline QkResult download_qk(Harness& h, const QkSpec& s, const QkData& d,
+                            const std::vector<QkBuffers>& b) {
   const int world = h.world_size();
   const size_t element = dtype_size(s.dtype);
   const size_t qkv_bytes = size_t(s.tokens * s.row()) * element;
   const size_t q_bytes = size_t(s.tokens * s.q_size()) * element;
   const size_t k_bytes = size_t(s.tokens * s.kv_size()) * element;
-  struct Buffers {
-    void *qkv, *q_out, *k_out, *q_gamma, *k_gamma, *positions, *cos_sin;
-  };
-  std::vector<Buffers> b(world);
-  const HostTensor poison = poisoned(s.dtype, size_t(s.tokens * s.row()));
-  for (int r = 0; r < world; ++r) {
-    b[r].qkv = h.allocate(r, qkv_bytes);
-    h.upload(r, b[r].qkv, d.qkv[r].data(), qkv_bytes);
-    b[r].q_out = s.in_place ? nullptr : h.allocate(r, q_bytes);
-    b[r].k_out = s.in_place ? nullptr : h.allocate(r, k_bytes);
-    if (!s.in_place) {
-      h.upload(r, b[r].q_out, poison.data(), q_bytes);
-      h.upload(r, b[r].k_out, poison.data(), k_bytes);
-    }
-    b[r].q_gamma = h.allocate(r, size_t(s.q_size()) * element);
-    h.upload(r, b[r].q_gamma, d.q_gamma[r].data(), size_t(s.q_size()) * element);
-    b[r].k_gamma = h.allocate(r, size_t(s.kv_size()) * element);
-    h.upload(r, b[r].k_gamma, d.k_gamma[r].data(), size_t(s.kv_size()) * element);
-    b[r].positions = b[r].cos_sin = nullptr;
-    if (s.rope != RopeStyle::kNone) {
-      b[r].positions = h.allocate(r, d.positions.size() * 8);
-      h.upload(r, b[r].positions, d.positions.data(), d.positions.size() * 8);
-      b[r].cos_sin = h.allocate(r, d.cos_sin.size() * 4);
-      h.upload(r, b[r].cos_sin, d.cos_sin.data(), d.cos_sin.size() * 4);
-    }
-  }
-  h.run([&](int rank, cudaStream_t stream) {
-    QkNormArgs a;
-    a.qkv = b[rank].qkv;
-    a.q_out = b[rank].q_out;
-    a.k_out = b[rank].k_out;
-    a.q_gamma = b[rank].q_gamma;
-    a.k_gamma = b[rank].k_gamma;
-    a.tokens = s.tokens;
-    a.q_size = s.q_size();
-    a.kv_size = s.kv_size();
-    a.q_global_size = s.q_size() * world;
-    a.k_global_size = s.kv_size() * world / s.kv_replicas;
-    a.kv_replicas = s.kv_replicas;
-    a.dtype = s.dtype;
-    a.eps = s.eps;
-    a.rope = s.rope;
-    a.head_dim = s.head_dim;
-    a.rotary_dim = s.rotary_dim;
-    a.positions = static_cast<const int64_t*>(b[rank].positions);
-    a.cos_sin_cache = static_cast<const float*>(b[rank].cos_sin);
-    a.max_position = d.max_position;
-    allreduce_qk_rmsnorm(h.team()[rank], a, stream);
-  });
   QkResult result;
   for (int r = 0; r < world; ++r) {
     HostTensor q(s.dtype, size_t(s.tokens * s.q_size())),
@@ -183,6 +191,16 @@ inline QkResult run_qk(Harness& h, const QkSpec& s, const QkData& d) {
     result.k.push_back(std::move(k));
   }
   return result;
+}
+
+// Runs one fused call on every rank of the harness (fresh buffers; outputs poisoned).
+inline QkResult run_qk(Harness& h, const QkSpec& s, const QkData& d) {
+  const std::vector<QkBuffers> b = upload_qk(h, s, d);
+  h.run([&](int rank, cudaStream_t stream) {
+    allreduce_qk_rmsnorm(h.team()[rank], qk_args(s, b[rank], d.max_position, h.world_size()),
+                         stream);
+  });
+  return download_qk(h, s, d, b);
 }
 
 // float64 reference and comparison for every rank's q and k.
@@ -336,74 +354,31 @@ inline void check_qk_halves_match_fused(Harness& h, uint64_t seed) {
     s.in_place = false;
     const QkData d = random_qk_data(rng, s, world);
     const QkResult fused = run_qk(h, s, d);
-    const size_t element = dtype_size(s.dtype);
+    const std::vector<QkBuffers> b = upload_qk(h, s, d);
     std::vector<std::vector<float>> local(world, std::vector<float>(size_t(2 * s.tokens)));
     std::vector<float> global(size_t(2 * s.tokens));
-    QkResult halves;
-    struct Buffers {
-      void *qkv, *q_out, *k_out, *q_gamma, *k_gamma, *positions, *cos_sin, *sums;
-    };
-    std::vector<Buffers> b(world);
-    for (int r = 0; r < world; ++r) {
-      b[r].qkv = h.allocate(r, d.qkv[r].bytes.size());
-      h.upload(r, b[r].qkv, d.qkv[r].data(), d.qkv[r].bytes.size());
-      b[r].q_out = h.allocate(r, size_t(s.tokens * s.q_size()) * element);
-      b[r].k_out = h.allocate(r, size_t(s.tokens * s.kv_size()) * element);
-      b[r].q_gamma = h.allocate(r, d.q_gamma[r].bytes.size());
-      h.upload(r, b[r].q_gamma, d.q_gamma[r].data(), d.q_gamma[r].bytes.size());
-      b[r].k_gamma = h.allocate(r, d.k_gamma[r].bytes.size());
-      h.upload(r, b[r].k_gamma, d.k_gamma[r].data(), d.k_gamma[r].bytes.size());
-      b[r].positions = b[r].cos_sin = nullptr;
-      if (s.rope != RopeStyle::kNone) {
-        b[r].positions = h.allocate(r, d.positions.size() * 8);
-        h.upload(r, b[r].positions, d.positions.data(), d.positions.size() * 8);
-        b[r].cos_sin = h.allocate(r, d.cos_sin.size() * 4);
-        h.upload(r, b[r].cos_sin, d.cos_sin.data(), d.cos_sin.size() * 4);
-      }
-      b[r].sums = h.allocate(r, size_t(2 * s.tokens) * 4);
-    }
-    const auto args_for = [&](int r) {
-      QkNormArgs a;
-      a.qkv = b[r].qkv;
-      a.q_out = b[r].q_out;
-      a.k_out = b[r].k_out;
-      a.q_gamma = b[r].q_gamma;
-      a.k_gamma = b[r].k_gamma;
-      a.tokens = s.tokens;
-      a.q_size = s.q_size();
-      a.kv_size = s.kv_size();
-      a.q_global_size = s.q_size() * world;
-      a.k_global_size = s.kv_size() * world / s.kv_replicas;
-      a.dtype = s.dtype;
-      a.eps = s.eps;
-      a.rope = s.rope;
-      a.head_dim = s.head_dim;
-      a.rotary_dim = s.rotary_dim;
-      a.positions = static_cast<const int64_t*>(b[r].positions);
-      a.cos_sin_cache = static_cast<const float*>(b[r].cos_sin);
-      a.max_position = d.max_position;
-      return a;
-    };
+    std::vector<void*> sums(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) sums[r] = h.allocate(r, global.size() * 4);
     h.run([&](int r, cudaStream_t stream) {
-      qk_sum_squares(backend, args_for(r), r % s.kv_replicas == 0, static_cast<float*>(b[r].sums),
-                     stream);
+      qk_sum_squares(backend, qk_args(s, b[r], d.max_position, world), r % s.kv_replicas == 0,
+                     static_cast<float*>(sums[r]), stream);
     });
+    // The all-reduce, on the host: fp32, rank order 0..W-1, as the fused op's packets.
     for (int r = 0; r < world; ++r) {
-      h.download(r, local[r].data(), b[r].sums, local[r].size() * 4);
-      for (size_t i = 0; i < global.size(); ++i)
+      h.download(r, local[r].data(), sums[r], local[r].size() * 4);
+      for (size_t i = 0; i < global.size(); ++i) {
         global[i] = r == 0 ? local[0][i] : global[i] + local[r][i];
+      }
     }
-    for (int r = 0; r < world; ++r) h.upload(r, b[r].sums, global.data(), global.size() * 4);
+    for (int r = 0; r < world; ++r) h.upload(r, sums[r], global.data(), global.size() * 4);
     h.run([&](int r, cudaStream_t stream) {
-      qk_rmsnorm_from_sums(backend, args_for(r), static_cast<const float*>(b[r].sums), stream);
+      qk_rmsnorm_from_sums(backend, qk_args(s, b[r], d.max_position, world),
+                           static_cast<const float*>(sums[r]), stream);
     });
+    const QkResult halves = download_qk(h, s, d, b);
     for (int r = 0; r < world; ++r) {
-      HostTensor q(s.dtype, size_t(s.tokens * s.q_size())),
-          k(s.dtype, size_t(s.tokens * s.kv_size()));
-      h.download(r, q.data(), b[r].q_out, q.bytes.size());
-      h.download(r, k.data(), b[r].k_out, k.bytes.size());
-      EXPECT_TRUE(q.bytes == fused.q[r].bytes) << describe(s) << ": q of rank " << r;
-      EXPECT_TRUE(k.bytes == fused.k[r].bytes) << describe(s) << ": k of rank " << r;
+      EXPECT_TRUE(halves.q[r].bytes == fused.q[r].bytes) << describe(s) << ": q of rank " << r;
+      EXPECT_TRUE(halves.k[r].bytes == fused.k[r].bytes) << describe(s) << ": k of rank " << r;
     }
     if (::testing::Test::HasFailure()) return;
   }
