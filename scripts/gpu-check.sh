@@ -46,13 +46,23 @@ fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   step sanitize
-  filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuLocalAddRmsNorm.*'
+  oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuLocalAddRmsNorm.*'
+  qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits'
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
-      "$BUILD/tests/test_oneshot_gpu" --gtest_filter="$filter" >"$OUT/sanitizer-$tool.log" 2>&1
-    rc=$?
-    echo "compute-sanitizer $tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
-    [ $rc -eq 0 ] || status=1
+    for test in oneshot qknorm; do
+      filter=$oneshot_filter
+      [ $test = qknorm ] && filter=$qk_filter
+      # One log for all runs: the device tool returns at most 8 files.
+      log="$OUT/sanitizer.log"
+      echo "=== compute-sanitizer --tool $tool test_${test}_gpu" >>"$log"
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
+        "$BUILD/tests/test_${test}_gpu" --gtest_filter="$filter" >"$OUT/sanitizer-run.log" 2>&1
+      rc=$?
+      cat "$OUT/sanitizer-run.log" >>"$log"
+      rm -f "$OUT/sanitizer-run.log"
+      echo "compute-sanitizer $tool $test: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+      [ $rc -eq 0 ] || status=1
+    done
   done
 fi
 
