@@ -3,10 +3,8 @@
 
 #if defined(__CUDACC__)
 #define TPF_HOST_DEVICE __host__ __device__ __forceinline__
-#define TPF_DEVICE __device__ __forceinline__
 #else
 #define TPF_HOST_DEVICE inline
-#define TPF_DEVICE inline
 #endif
 
 #if defined(__CUDA_ARCH__)
