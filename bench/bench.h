@@ -129,6 +129,23 @@ class RankBarrier {
 
 // The token counts measured for one width: the requested (or default) counts that the one-shot
 // workspace holds. Dropped counts are reported on stderr.
+// What both modes measure: per width the token counts the workspace holds, and the buffer
+// size that covers the largest shape.
+struct BenchPlan {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
+  size_t buffer_bytes = 0;
+  int64_t max_hidden = 0;
+  int64_t max_tokens = 1;
+  int ops_per_graph = 0;
+  int replays = 0;
+  DType dtype = DType::kBFloat16;
+};
+
+// Fills a plan from the options; `team` sets what one-shot can carry, the defaults apply where
+// the options leave a count at 0.
+BenchPlan make_plan(const Options& options, const Team& team, int64_t default_max_tokens,
+                    int default_ops_per_graph, int default_replays);
+
 std::vector<int64_t> tokens_for_hidden(const Options& options, int64_t hidden, int64_t max_tokens,
                                        int64_t default_max_tokens);
 

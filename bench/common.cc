@@ -35,6 +35,27 @@ std::vector<int64_t> tokens_for_hidden(const Options& options, int64_t hidden, i
   return kept;
 }
 
+BenchPlan make_plan(const Options& options, const Team& team, int64_t default_max_tokens,
+                    int default_ops_per_graph, int default_replays) {
+  BenchPlan plan;
+  plan.dtype = options.dtype;
+  plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : default_ops_per_graph;
+  plan.replays = options.replays > 0 ? options.replays : default_replays;
+  for (const int64_t hidden : options.hiddens) {
+    const int64_t max_tokens = team.max_tokens(hidden, options.dtype);
+    std::vector<int64_t> tokens =
+        tokens_for_hidden(options, hidden, max_tokens, default_max_tokens);
+    if (tokens.empty()) continue;
+    const int64_t most = *std::max_element(tokens.begin(), tokens.end());
+    plan.buffer_bytes =
+        std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
+    plan.max_hidden = std::max(plan.max_hidden, hidden);
+    plan.max_tokens = std::max(plan.max_tokens, most);
+    plan.shapes.emplace_back(hidden, std::move(tokens));
+  }
+  return plan;
+}
+
 double median(std::vector<double> values) {
   if (values.empty()) return 0.0;
   const size_t middle = values.size() / 2;

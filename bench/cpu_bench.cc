@@ -30,15 +30,6 @@ struct HostBufferSet {
   AlignedBuffer norm_out;
 };
 
-struct CpuPlan {
-  std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
-  size_t buffer_bytes = 0;
-  int64_t max_hidden = 0;
-  int ops_per_graph = 0;
-  int replays = 0;
-  DType dtype = DType::kBFloat16;
-};
-
 // The warm-up is one batch: the CPU has no graph to instantiate, only caches and pages to touch.
 constexpr int kWarmupBatches = 1;
 
@@ -56,7 +47,7 @@ std::string host_cpu_model() {
 
 // Median batch of `ops` calls of `call` (buffer sets rotating), in µs per op. Inactive ranks
 // return NaN but take part in every barrier.
-double measure_batches(RankBarrier& barrier, const CpuPlan& plan, bool active,
+double measure_batches(RankBarrier& barrier, const BenchPlan& plan, bool active,
                        const std::array<HostBufferSet, kBufferSets>& sets,
                        const std::function<void(const HostBufferSet&)>& call) {
   barrier.arrive_and_wait();
@@ -93,7 +84,7 @@ AddRmsNormArgs fused_args(const HostBufferSet& set, const void* gamma, int64_t h
   return args;
 }
 
-void run_rank(const Team& team, RankBarrier& barrier, const CpuPlan& plan,
+void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
               std::vector<Record>& records) {
   const int rank = team.rank();
   const bool is_rank0 = rank == 0;
@@ -163,21 +154,8 @@ std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info) {
   team_options.packet_bytes = options.packet_bytes;
   const std::vector<Team> team = create_cpu_team(world_size, team_options);
 
-  CpuPlan plan;
-  plan.dtype = options.dtype;
-  plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kCpuOpsPerGraph;
-  plan.replays = options.replays > 0 ? options.replays : kCpuReplays;
-  for (const int64_t hidden : options.hiddens) {
-    const int64_t max_tokens = team[0].max_tokens(hidden, options.dtype);
-    std::vector<int64_t> tokens =
-        tokens_for_hidden(options, hidden, max_tokens, kCpuMaxDefaultTokens);
-    if (tokens.empty()) continue;
-    const int64_t most = *std::max_element(tokens.begin(), tokens.end());
-    plan.buffer_bytes =
-        std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
-    plan.max_hidden = std::max(plan.max_hidden, hidden);
-    plan.shapes.emplace_back(hidden, std::move(tokens));
-  }
+  const BenchPlan plan =
+      make_plan(options, team[0], kCpuMaxDefaultTokens, kCpuOpsPerGraph, kCpuReplays);
 
   info.gpu = "cpu";
   info.host_cpu = host_cpu_model();

@@ -81,14 +81,8 @@ constexpr int64_t kQkHeadDim = 128;
 constexpr int64_t kQkRotaryDim = 64;
 constexpr int64_t kQkMaxPosition = 4096;
 
-struct GpuPlan {
-  std::vector<std::pair<int64_t, std::vector<int64_t>>> shapes;
-  int64_t max_tokens = 1;
-  size_t buffer_bytes = 0;
-  int64_t max_hidden = 0;
-  int ops_per_graph = 0;
-  int replays = 0;
-  DType dtype = DType::kBFloat16;
+// The GPU mode also records whether the library launches with PDL.
+struct GpuPlan : BenchPlan {
   bool pdl = true;
 };
 
@@ -555,22 +549,9 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
   const std::vector<Team> team = create_cuda_team(devices, team_options);
 
   GpuPlan plan;
-  plan.dtype = options.dtype;
-  plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kGpuOpsPerGraph;
-  plan.replays = options.replays > 0 ? options.replays : kGpuReplays;
+  static_cast<BenchPlan&>(plan) =
+      make_plan(options, team[0], kGpuMaxDefaultTokens, kGpuOpsPerGraph, kGpuReplays);
   plan.pdl = tpfuse_pdl_enabled();
-  for (const int64_t hidden : options.hiddens) {
-    const int64_t max_tokens = team[0].max_tokens(hidden, options.dtype);
-    std::vector<int64_t> tokens =
-        tokens_for_hidden(options, hidden, max_tokens, kGpuMaxDefaultTokens);
-    if (tokens.empty()) continue;
-    const int64_t most = *std::max_element(tokens.begin(), tokens.end());
-    plan.buffer_bytes =
-        std::max(plan.buffer_bytes, size_t(most) * size_t(hidden) * dtype_size(options.dtype));
-    plan.max_hidden = std::max(plan.max_hidden, hidden);
-    for (int64_t t : tokens) plan.max_tokens = std::max(plan.max_tokens, t);
-    plan.shapes.emplace_back(hidden, std::move(tokens));
-  }
 
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <string>
@@ -87,5 +88,13 @@ class CudaHarness : public Harness {
 inline int gpus() {
   return std::min(cuda_device_count(), 8);
 }
+
+// Tests that need a team of at least two GPUs report themselves skipped with fewer.
+class MultiGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
+  }
+};
 
 }  // namespace tpfuse::testing

@@ -18,12 +18,7 @@ int gpus() {
   return std::min(cuda_device_count(), 8);
 }
 
-class GpuOneShot : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
-  }
-};
+using GpuOneShot = MultiGpuTest;
 
 TEST_F(GpuOneShot, MatchesFloat64ReferenceOnRandomCases) {
   CudaHarness harness(gpus());

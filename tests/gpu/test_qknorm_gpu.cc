@@ -9,12 +9,7 @@
 namespace tpfuse::testing {
 namespace {
 
-class GpuQkNorm : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus();
-  }
-};
+using GpuQkNorm = MultiGpuTest;
 
 TEST_F(GpuQkNorm, MatchesFloat64ReferenceOfTheUnfusedPattern) {
   CudaHarness harness(gpus());
