@@ -21,8 +21,9 @@
 #include <string>
 #include <vector>
 
-// Same declaration as the CUDA runtime's, so this header compiles without it.
+// Same declarations as the CUDA runtime's and NCCL's, so this header compiles without them.
 typedef struct CUstream_st* cudaStream_t;
+typedef struct ncclComm* ncclComm_t;
 
 namespace tpfuse {
 
@@ -48,6 +49,25 @@ constexpr int64_t kMaxHidden = 16384;
 constexpr int64_t kMaxQkWidth = 32768;
 constexpr int64_t kMaxQkRopeWidth = 12288;
 
+// How a call moves data. Every algorithm sums each element over the ranks in fp32 in rank order
+// 0..W-1 where it can; one-shot and two-shot round once and give the same bits for a token
+// whatever the batch (batch invariance). The NCCL path rounds the all-reduced sum to the dtype
+// before the residual add (two roundings) and sums in NCCL's order: its bits may differ.
+enum class Algorithm : int {
+  kAuto = 0,     // the team's selection table decides (Team::choose)
+  kOneShot = 1,  // Lamport one-shot: every rank stores its whole input into every rank
+  kTwoShot = 2,  // reduce-scatter by tokens, epilogue on the owned tokens, all-gather
+  kNccl = 3,     // ncclAllReduce, then the local epilogue kernel
+};
+const char* algorithm_name(Algorithm algorithm);
+
+// Where a multi-process team's symmetric workspace comes from.
+enum class PeerMemory : int {
+  kAuto = 0,        // NCCL symmetric windows where NCCL has them, else CUDA IPC
+  kNcclWindow = 1,  // ncclMemAlloc + ncclCommWindowRegister; peer addresses from the device API
+  kCudaIpc = 2,     // cudaMalloc + cudaIpcGetMemHandle, handles all-gathered over NCCL
+};
+
 struct TeamOptions {
   // Bytes of one rank's packet in one Lamport slot: the largest message (tokens * hidden *
   // element size) a one-shot call can carry. Each rank allocates 3 slots * world_size * this, so
@@ -57,6 +77,14 @@ struct TeamOptions {
   // How long a rank waits for a peer's packet before it gives up, marks the team failed and
   // reports the missing rank (Team::check). 0 waits forever.
   double peer_timeout_seconds = 10.0;
+  // false: ranks never store into each other's memory; every op runs through NCCL (for hosts
+  // where P2P is known to be unreliable). true: the team proves at creation, with a
+  // store-then-poll handshake, that every rank's stores arrive in every peer, and falls back
+  // to NCCL (saying why, Team::fallback_reason) if they do not.
+  bool peer_stores = true;
+  // How long the creation handshake waits for a peer's store.
+  double handshake_timeout_seconds = 5.0;
+  PeerMemory peer_memory = PeerMemory::kAuto;  // multi-process teams only
 };
 
 namespace impl {
@@ -75,8 +103,21 @@ class Team {
   // CUDA device ordinal of this rank (-1 for the CPU backend).
   int device() const;
   size_t packet_bytes() const;
-  // Most tokens a one-shot call of this width and dtype can carry.
-  int64_t max_tokens(int64_t hidden, DType dtype) const;
+  // Most tokens a call of this width and dtype can carry with `algorithm` (one-shot:
+  // packet_bytes / row bytes; two-shot: world_size times half that; NCCL: no limit).
+  int64_t max_tokens(int64_t hidden, DType dtype, Algorithm algorithm = Algorithm::kOneShot) const;
+  // The algorithm allreduce_add_rmsnorm (and allreduce, as tokens x hidden) runs for this shape:
+  // `requested` unless it is kAuto, else the selection table's choice (tpfuse/algorithms.csv);
+  // then the next one that can carry the message (one-shot, two-shot, NCCL), and NCCL on a team
+  // without peer stores. Throws if the result cannot run (e.g. NCCL in a build without it).
+  Algorithm choose(int64_t tokens, int64_t hidden, DType dtype,
+                   Algorithm requested = Algorithm::kAuto) const;
+  // Empty when the fused kernels can run; otherwise why every op of this team runs through NCCL
+  // (decided at creation, the same on every rank).
+  const std::string& fallback_reason() const;
+  // How ranks reach each other's memory: "host memory" (CPU backend), "cuda peer access"
+  // (in-process), "nccl window" or "cuda ipc" (multi-process), or "none" (NCCL only).
+  const std::string& peer_memory() const;
   // Throws tpfuse::Error if a previous call on this rank timed out waiting for a peer (naming the
   // rank that did not arrive). Synchronizes with the rank's device work first. A failed team
   // stays failed: create a new one.
@@ -96,6 +137,26 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options = {
 // is an error naming the pair). Rank i is devices[i].
 std::vector<Team> create_cuda_team(const std::vector<int>& devices,
                                    const TeamOptions& options = {});
+
+// A team of one rank per process over an NCCL communicator the caller already has: the team
+// lives on the communicator's device, uses it for its symmetric workspace, the creation
+// handshake and the NCCL path, and must be destroyed (last handle dropped) before it, on every
+// rank (deregistering NCCL windows is collective). Collective: every rank of comm calls it.
+Team create_nccl_team(ncclComm_t comm, const TeamOptions& options = {});
+
+// NCCL's bootstrap id: made on one rank (create_unique_id), passed to the others through any
+// channel (MPI, a torch process group, a file), then create_nccl_team on every rank.
+struct UniqueId {
+  char bytes[128];
+};
+UniqueId create_unique_id();
+// The same over a communicator the team creates and owns: rank `rank` of `world_size` on CUDA
+// device `device`.
+Team create_nccl_team(const UniqueId& id, int rank, int world_size, int device,
+                      const TeamOptions& options = {});
+
+// Whether this build has the NCCL path (the fallback, multi-process teams).
+bool nccl_available();
 
 // Rotary embedding applied after the QK norm: neox (rotate-half, as MiniMax-M2 uses) pairs
 // element i with i + rotary_dim/2 of each head; interleaved pairs 2i with 2i+1.
@@ -127,12 +188,17 @@ struct QkNormArgs {
   // [max_position, rotary_dim] fp32: cos of the rotary_dim / 2 frequencies, then their sin.
   const float* cos_sin_cache = nullptr;
   int64_t max_position = 0;
+  // kAuto, kOneShot (the fused kernel) or kNccl (qk_sum_squares, ncclAllReduce of the [tokens, 2]
+  // sums, qk_rmsnorm_from_sums); kAuto picks one-shot unless the team has no peer stores.
+  Algorithm algorithm = Algorithm::kAuto;
 };
 
 // The distributed QK norm: per token, sum_q = sum over ranks of |q_r|^2 and sum_k likewise (in
 // fp32, rank order, identical bits on every rank), then q = q * rsqrt(sum_q / q_global_size +
 // eps) * q_gamma, k likewise, then the optional RoPE; rounded once to dtype. One kernel per call.
-void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream = nullptr);
+// Returns the algorithm that ran.
+Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args,
+                               cudaStream_t stream = nullptr);
 
 // The QK norm's two local halves, for a runtime that all-reduces the sums itself (and for the
 // NCCL path): qk_sum_squares writes this rank's sums[token] = {sum q^2, sum k^2} (fp32, k as 0
@@ -160,6 +226,7 @@ struct AddRmsNormArgs {
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;
   float eps = 1e-6f;
+  Algorithm algorithm = Algorithm::kAuto;  // forced algorithm, or kAuto (Team::choose)
 };
 
 // residual_out = allreduce(input) + residual (or just the sum without a residual);
@@ -168,13 +235,19 @@ struct AddRmsNormArgs {
 // residual_out gives within its own rounding. Outputs may alias input or residual exactly (in
 // place); partial overlaps are rejected. For the CUDA backend pointers are device pointers of
 // this rank's device and the work is queued on `stream`; for the CPU backend they are host
-// pointers, the call blocks, and `stream` must be null.
-void allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
-                           cudaStream_t stream = nullptr);
+// pointers, the call blocks, and `stream` must be null. Returns the algorithm that ran.
+//
+// One-shot and two-shot store a residual_out (or all-reduce out) word whose bits are the
+// protocol's sentinel 0x80000000 (-0.0f in fp32; +0 then -0 in a pair of 16-bit elements) as +0,
+// and normalize from that: the two-shot all-gather carries these outputs as Lamport packets,
+// and both algorithms give the same bits.
+Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
+                                cudaStream_t stream = nullptr);
 
-// out = sum over ranks of input; count elements (a multiple of kHiddenMultiple).
-void allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
-               cudaStream_t stream = nullptr);
+// out = sum over ranks of input; count elements (a multiple of kHiddenMultiple). Returns the
+// algorithm that ran.
+Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
+                    cudaStream_t stream = nullptr, Algorithm algorithm = Algorithm::kAuto);
 
 // The local fused epilogue on one device (no collective): residual_out = input + residual,
 // norm_out = rmsnorm(residual_out) * gamma. Backend kCuda queues a kernel on `stream`; kCpu runs

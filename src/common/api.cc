@@ -1,6 +1,8 @@
 // The public entry points: validate, then hand the call to the team's backend.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <sstream>
 
 #include "common/error.h"
@@ -57,9 +59,41 @@ size_t Team::packet_bytes() const {
   return state_of(*this).packet_bytes;
 }
 
-int64_t Team::max_tokens(int64_t hidden, DType dtype) const {
+int64_t Team::max_tokens(int64_t hidden, DType dtype, Algorithm algorithm) const {
+  const impl::TeamState& state = state_of(*this);
   if (hidden <= 0) return 0;
-  return int64_t(state_of(*this).packet_bytes / (size_t(hidden) * dtype_size(dtype)));
+  const size_t row_bytes = size_t(hidden) * dtype_size(dtype);
+  const int64_t oneshot = int64_t(state.packet_bytes / row_bytes);
+  const int64_t twoshot = impl::twoshot_max_tokens(state.world_size, state.packet_bytes, row_bytes);
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      return state.fused ? oneshot : 0;
+    case Algorithm::kTwoShot:
+      return state.fused ? twoshot : 0;
+    case Algorithm::kNccl:
+    case Algorithm::kAuto:
+      if (state.backend == Backend::kCpu || state.nccl_comm != nullptr) {
+        return std::numeric_limits<int64_t>::max();
+      }
+      return algorithm == Algorithm::kNccl || !state.fused ? 0 : std::max(oneshot, twoshot);
+  }
+  return 0;
+}
+
+Algorithm Team::choose(int64_t tokens, int64_t hidden, DType dtype, Algorithm requested) const {
+  const char* op = "Team::choose";
+  TPF_CHECK_ARG(tokens >= 0, op, "tokens must be >= 0, got " << tokens);
+  TPF_CHECK_ARG(hidden > 0, op, "hidden must be > 0, got " << hidden);
+  TPF_CHECK_ARG(int(dtype) >= 0 && int(dtype) <= 2, op, "dtype " << int(dtype) << " is unknown");
+  return impl::choose_algorithm(state_of(*this), tokens, hidden, dtype, requested, op);
+}
+
+const std::string& Team::fallback_reason() const {
+  return state_of(*this).fallback_reason;
+}
+
+const std::string& Team::peer_memory() const {
+  return state_of(*this).peer_memory;
 }
 
 void Team::check() const {
@@ -146,17 +180,6 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, Epilogue epilogue, const c
   }
 }
 
-void validate_capacity(const TeamState& team, const AddRmsNormArgs& args, const char* op) {
-  const size_t bytes = size_t(args.tokens) * size_t(args.hidden) * dtype_size(args.dtype);
-  TPF_CHECK_ARG(bytes <= team.packet_bytes, op,
-                "tokens " << args.tokens << " x hidden " << args.hidden << " of "
-                          << dtype_name(args.dtype) << " needs " << bytes
-                          << " bytes, over the team's packet capacity of " << team.packet_bytes
-                          << " bytes (at most "
-                          << team.packet_bytes / (size_t(args.hidden) * dtype_size(args.dtype))
-                          << " tokens; raise TeamOptions::packet_bytes)");
-}
-
 OneShotParams make_local_params(const AddRmsNormArgs& args) {
   OneShotParams params{};
   params.input = args.input;
@@ -229,14 +252,43 @@ QkNormParams make_qk_local_params(const QkNormArgs& args) {
   return params;
 }
 
-void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char* op) {
-  validate_qk_args(a, op);
+Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& a, const char* op) {
+  const int requested = int(a.algorithm);
+  TPF_CHECK_ARG(requested >= 0 && requested <= 3, op,
+                "algorithm " << requested << " is not an Algorithm");
+  TPF_CHECK_ARG(a.algorithm != Algorithm::kTwoShot, op,
+                "algorithm twoshot is not offered for the QK norm (its packets are 16 bytes a "
+                "token): use auto, oneshot or nccl");
+  const bool has_nccl = team.backend == Backend::kCpu || team.nccl_comm != nullptr;
+  const bool fits = a.tokens >= 0 && size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes;
+  if (a.algorithm == Algorithm::kNccl) {
+    TPF_CHECK_ARG(has_nccl, op,
+                  "algorithm nccl needs NCCL, which this build or team does not have");
+    return Algorithm::kNccl;
+  }
+  if (a.algorithm == Algorithm::kOneShot || !has_nccl) {
+    TPF_CHECK_ARG(team.fused, op,
+                  "the fused kernel needs peer stores, which this team does not use: "
+                      << team.fallback_reason);
+    TPF_CHECK_ARG(fits, op,
+                  "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
+                            << " packet bytes, over the team's " << team.packet_bytes);
+    return Algorithm::kOneShot;
+  }
+  return team.fused && fits ? Algorithm::kOneShot : Algorithm::kNccl;
+}
+
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, Algorithm algorithm,
+                         const char* op) {
   TPF_CHECK_ARG(
       a.kv_replicas >= 1 && team.world_size % a.kv_replicas == 0, op,
       "kv_replicas must divide the world size " << team.world_size << ", got " << a.kv_replicas);
-  TPF_CHECK_ARG(size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes, op,
-                "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
-                          << " packet bytes, over the team's " << team.packet_bytes);
+  if (algorithm == Algorithm::kNccl && team.backend == Backend::kCuda) {
+    TPF_CHECK_ARG(size_t(a.tokens) * 8 <= team.packet_bytes, op,
+                  "tokens " << a.tokens << " need " << size_t(a.tokens) * 8
+                            << " bytes of sums, over the team's NCCL scratch of "
+                            << team.packet_bytes);
+  }
 }
 
 void validate_qk_args(const QkNormArgs& a, const char* op) {
@@ -320,43 +372,56 @@ void validate_team_options(const TeamOptions& options, const char* op) {
 
 namespace {
 
-void run_oneshot(const Team& team, const AddRmsNormArgs& args, Epilogue epilogue,
-                 cudaStream_t stream, const char* op) {
+Algorithm run_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, Epilogue epilogue,
+                          cudaStream_t stream, const char* op) {
   validate_team(team, op);
   const TeamState& state = *team.state();
   validate_add_rmsnorm(args, epilogue, op);
-  validate_capacity(state, args, op);
+  const Algorithm algorithm =
+      choose_algorithm(state, args.tokens, args.hidden, args.dtype, args.algorithm, op);
   if (state.backend == Backend::kCuda) {
     cuda_validate_call(state, args, stream, op);
   } else {
     TPF_CHECK_ARG(stream == nullptr, op, "stream must be null for a CPU-backend team");
   }
-  if (args.tokens == 0) return;  // an empty batch: every rank skips alike, no slot is used
+  if (args.tokens == 0) return algorithm;  // every rank skips alike, no slot is used
   const OneShotParams params = make_oneshot_params(state, args);
-  if (state.backend == Backend::kCuda) {
-    cuda_oneshot(state, params, args.dtype, epilogue, stream);
-  } else {
-    cpu_oneshot(state, params, args.dtype, epilogue);
+  const bool cuda = state.backend == Backend::kCuda;
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      cuda ? cuda_oneshot(state, params, args.dtype, epilogue, stream)
+           : cpu_oneshot(state, params, args.dtype, epilogue);
+      break;
+    case Algorithm::kTwoShot:
+      cuda ? cuda_twoshot(state, params, args.dtype, epilogue, stream)
+           : cpu_twoshot(state, params, args.dtype, epilogue);
+      break;
+    default:
+      cuda ? cuda_nccl_path(state, params, args.dtype, epilogue, stream)
+           : cpu_nccl_path(state, params, args.dtype, epilogue);
+      break;
   }
+  return algorithm;
 }
 
 }  // namespace
 }  // namespace impl
 
-void allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
+Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
   const impl::Epilogue epilogue =
       args.residual != nullptr ? impl::Epilogue::kAddRmsNorm : impl::Epilogue::kRmsNorm;
-  impl::run_oneshot(team, args, epilogue, stream, "allreduce_add_rmsnorm");
+  return impl::run_add_rmsnorm(team, args, epilogue, stream, "allreduce_add_rmsnorm");
 }
 
-void allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
-               cudaStream_t stream) {
+Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
+                    cudaStream_t stream, Algorithm algorithm) {
   AddRmsNormArgs args;
   args.input = input;
   args.norm_out = out;
   args.tokens = 1;
   args.hidden = count;
   args.dtype = dtype;
+  args.algorithm = algorithm;
   // A flat message is carried as rows so that it spreads over many blocks: the widest row of
   // at most kFlatRow elements (a multiple of kHiddenMultiple) that divides count. The sum does
   // not depend on how rows are cut.
@@ -367,14 +432,16 @@ void allreduce(const Team& team, const void* input, void* out, int64_t count, DT
     args.hidden = row;
     args.tokens = count / row;
   }
-  impl::run_oneshot(team, args, impl::Epilogue::kSum, stream, "allreduce");
+  return impl::run_add_rmsnorm(team, args, impl::Epilogue::kSum, stream, "allreduce");
 }
 
-void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
+Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
   const char* op = "allreduce_qk_rmsnorm";
   impl::validate_team(team, op);
   const impl::TeamState& state = *team.state();
-  impl::validate_qk_rmsnorm(state, args, op);
+  impl::validate_qk_args(args, op);
+  const Algorithm algorithm = impl::choose_qk_algorithm(state, args, op);
+  impl::validate_qk_rmsnorm(state, args, algorithm, op);
   if (state.backend == Backend::kCuda) {
     impl::cuda_validate_pointers(state,
                                  {{"qkv", args.qkv},
@@ -388,13 +455,17 @@ void allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t
   } else {
     TPF_CHECK_ARG(stream == nullptr, op, "stream must be null for a CPU-backend team");
   }
-  if (args.tokens == 0) return;
+  if (args.tokens == 0) return algorithm;
   const impl::QkNormParams params = impl::make_qk_params(state, args);
-  if (state.backend == Backend::kCuda) {
-    impl::cuda_qk_rmsnorm(state, params, args.dtype, stream);
+  const bool cuda = state.backend == Backend::kCuda;
+  if (algorithm == Algorithm::kOneShot) {
+    cuda ? impl::cuda_qk_rmsnorm(state, params, args.dtype, stream)
+         : impl::cpu_qk_rmsnorm(params, args.dtype, impl::QkPass::kFused);
   } else {
-    impl::cpu_qk_rmsnorm(params, args.dtype, impl::QkPass::kFused);
+    cuda ? impl::cuda_qk_nccl_path(state, params, args.dtype, stream)
+         : impl::cpu_qk_nccl_path(state, params, args.dtype);
   }
+  return algorithm;
 }
 
 namespace {
@@ -437,11 +508,12 @@ void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t strea
   TPF_CHECK_ARG(args.residual != nullptr, "add_rmsnorm", "residual is null");
   impl::validate_add_rmsnorm(args, impl::Epilogue::kAddRmsNorm, "add_rmsnorm");
   if (args.tokens == 0) return;
+  const impl::OneShotParams params = impl::make_local_params(args);
   if (backend == Backend::kCuda) {
-    impl::cuda_add_rmsnorm(args, stream);
+    impl::cuda_local_epilogue(params, args.dtype, impl::Epilogue::kAddRmsNorm, stream);
   } else {
     TPF_CHECK_ARG(stream == nullptr, "add_rmsnorm", "stream must be null for the CPU backend");
-    impl::cpu_add_rmsnorm(args);
+    impl::cpu_local_epilogue(params, args.dtype, impl::Epilogue::kAddRmsNorm);
   }
 }
 

@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/lamport.h"
@@ -35,6 +37,16 @@ struct TeamState {
   // (mapped into the device for CUDA), so the host reads it without synchronizing.
   uint32_t* error_flag = nullptr;
   int multiprocessors = 0;  // CUDA: SM count of this rank's device
+  std::string device_name;  // CUDA: e.g. "NVIDIA H200" (the selection table's key)
+  // false when the fused kernels may not run (no proven peer stores): every op takes the NCCL
+  // path, and fallback_reason says why. The same on every rank.
+  bool fused = true;
+  std::string fallback_reason;
+  std::string peer_memory;
+  // CUDA teams built with NCCL: this rank's communicator (ncclComm_t), and a [packet_bytes / 8,
+  // 2] fp32 device buffer for the QK norm's NCCL path.
+  void* nccl_comm = nullptr;
+  float* qk_sums = nullptr;
   std::shared_ptr<TeamMemory> memory;
 };
 
@@ -95,12 +107,30 @@ struct QkNormParams {
 
 enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
 
+// The algorithm a call runs (Team::choose): throws naming `op` if a forced one cannot run.
+Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden, DType dtype,
+                           Algorithm requested, const char* op);
+// The selection table's choice for a message (tpfuse/algorithms.csv, or the file named by
+// TPFUSE_ALGORITHM_TABLE): the first row whose GPU, world size and byte bound match.
+Algorithm table_algorithm(const std::string& device_name, int world_size, uint64_t bytes);
+// Parses a selection table (CSV text); throws naming the line of a malformed row.
+struct SelectionRule {
+  std::string device;  // "*" or a device name
+  int world_size;      // 0: any
+  uint64_t max_bytes;  // messages of at most this many bytes
+  Algorithm algorithm;
+};
+std::vector<SelectionRule> parse_selection_table(const std::string& text,
+                                                 const std::string& origin);
+
 ExchangeParams make_exchange_params(const TeamState& team);
 QkNormParams make_qk_params(const TeamState& team, const QkNormArgs& args);
 // The tensor fields alone (counts_k = 1): what the local passes need.
 QkNormParams make_qk_local_params(const QkNormArgs& args);
 void validate_qk_args(const QkNormArgs& args, const char* op);
-void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& args, const char* op);
+Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& args, const char* op);
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& args, Algorithm algorithm,
+                         const char* op);
 void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype, QkPass pass);
 void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
                      cudaStream_t stream);
@@ -115,19 +145,38 @@ OneShotParams make_local_params(const AddRmsNormArgs& args);
 void validate_team_options(const TeamOptions& options, const char* op);
 
 // Argument checks shared by every backend; each throws tpfuse::Error naming the argument.
+// validate_qk_rmsnorm expects validate_qk_args to have passed.
 void validate_team(const Team& team, const char* op);
 void validate_add_rmsnorm(const AddRmsNormArgs& args, Epilogue epilogue, const char* op);
-void validate_capacity(const TeamState& team, const AddRmsNormArgs& args, const char* op);
 
-// Backends.
+// Backends. The local epilogue runs kAddRmsNorm or kRmsNorm on one rank (no collective).
 void cpu_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
                  Epilogue epilogue);
-void cpu_add_rmsnorm(const AddRmsNormArgs& args);
+void cpu_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                 Epilogue epilogue);
+// The CPU backend's stand-in for the NCCL path, with its rounding: a rank-ordered all-reduce
+// rounded to dtype (one-shot exchanges of at most the workspace's capacity), then the local
+// epilogue.
+void cpu_nccl_path(const TeamState& team, const OneShotParams& params, DType dtype,
+                   Epilogue epilogue);
+// Rank-ordered all-reduce of rows x row_elements (row bytes a multiple of 16), rounded to dtype,
+// in one-shot exchanges of at most the workspace's capacity.
+void cpu_allreduce_rows(const TeamState& team, const void* input, void* out, int64_t rows,
+                        int64_t row_elements, DType dtype);
+void cpu_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType dtype);
+void cpu_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue);
 void cpu_check(const TeamState& team);
 
 void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
                   Epilogue epilogue, cudaStream_t stream);
-void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream);
+void cuda_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                  Epilogue epilogue, cudaStream_t stream);
+void cuda_nccl_path(const TeamState& team, const OneShotParams& params, DType dtype,
+                    Epilogue epilogue, cudaStream_t stream);
+void cuda_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType dtype,
+                       cudaStream_t stream);
+void cuda_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue,
+                         cudaStream_t stream);
 void cuda_check(const TeamState& team);
 void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
                         const char* op);

@@ -135,3 +135,18 @@ void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype, QkPass pass) {
 }
 
 }  // namespace tpfuse::impl
+
+namespace tpfuse::impl {
+
+// The NCCL path's stand-in: this rank's sums, a rank-ordered fp32 all-reduce of them, the norm.
+void cpu_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType dtype) {
+  const int64_t rows = (2 * params.tokens + 3) / 4;  // 16-byte rows of 4 floats
+  std::vector<float> sums(size_t(rows) * 4, 0.0f);
+  QkNormParams pass = params;
+  pass.sums = sums.data();
+  cpu_qk_rmsnorm(pass, dtype, QkPass::kSums);
+  cpu_allreduce_rows(team, sums.data(), sums.data(), rows, 4, DType::kFloat32);
+  cpu_qk_rmsnorm(pass, dtype, QkPass::kNormFromSums);
+}
+
+}  // namespace tpfuse::impl

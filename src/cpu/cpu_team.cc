@@ -2,6 +2,7 @@
 // runs the Lamport one-shot protocol of tpfuse/impl/lamport.h with the epilogues of
 // tpfuse/impl/epilogue.h: the same code the CUDA kernel runs, with a thread in place of a grid.
 // Packet stores, polls and their memory ordering: cpu/cpu_exchange.h.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -43,16 +44,21 @@ void store_plain(void* base, int64_t vector_index, const Vec16& v) {
   std::memcpy(static_cast<char*>(base) + vector_index * 16, &v, 16);
 }
 
-// The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector.
-template <typename T>
-void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue, int64_t token) {
+// The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector. on_rounded(v,
+// vector) sees each rounded output vector (residual_out, or out for kSum) as it is stored: the
+// two-shot owner sends it to its peers.
+template <typename T, typename OnRounded>
+void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue, int64_t token,
+                OnRounded&& on_rounded) {
   constexpr int kElements = Packed<T>::kElements;
   using Lanes = float[kElements];
   const int64_t vectors = p.hidden / kElements;
   const int64_t row = token * vectors;
   if (epilogue == Epilogue::kSum) {
     for (int64_t v = 0; v < vectors; ++v) {
-      store_plain(p.norm_out, row + v, pack<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements])));
+      const Vec16 out = round_output<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements]));
+      store_plain(p.norm_out, row + v, out);
+      on_rounded(v, out);
     }
     return;
   }
@@ -66,6 +72,7 @@ void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilog
       rounded = residual_round<T, false>(lanes, Vec16{}, sum_squares);
     }
     if (p.residual_out != nullptr) store_plain(p.residual_out, row + v, rounded);
+    on_rounded(v, rounded);
   }
   const float scale = rms_scale(sum_squares, p.hidden, p.eps);
   for (int64_t v = 0; v < vectors; ++v) {
@@ -75,47 +82,136 @@ void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilog
 }
 
 template <typename T>
-void oneshot(const OneShotParams& p, Epilogue epilogue) {
+void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilogue, int64_t token) {
+  finish_row<T>(acc, p, epilogue, token, [](int64_t, const Vec16&) {});
+}
+
+// Sums `vectors` packet vectors at `offset` of every sender region of this rank's slot, in rank
+// order, into acc (polling each until it has arrived).
+template <typename T>
+void receive_row(const OneShotParams& p, uint32_t slot, size_t offset, int64_t vectors,
+                 std::vector<float>& acc) {
   constexpr int kElements = Packed<T>::kElements;
   using Lanes = float[kElements];
+  for (int64_t v = 0; v < vectors; ++v) {
+    Lanes& lanes = *reinterpret_cast<Lanes*>(&acc[v * kElements]);
+    for (int r = 0; r < p.world_size; ++r) {
+      const char* base = p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
+      const Vec16 packet =
+          poll_vector(base + offset + v * 16, p.timeout_ns, p.error_flag, p.rank, r);
+      if (r == 0) {
+        accumulate_first<T>(lanes, packet);
+      } else {
+        accumulate<T>(lanes, packet);
+      }
+    }
+  }
+}
+
+// Stores `vectors` vectors of `source` (sentinel words rewritten) at `offset` of this rank's
+// sender region of `slot` in rank `receiver`'s workspace.
+void send_row(const OneShotParams& p, uint32_t slot, int receiver, size_t offset,
+              const void* source, int64_t first_vector, int64_t vectors) {
+  char* base = p.workspace[receiver] + packet_offset(slot, p.rank, p.world_size, p.packet_bytes);
+  for (int64_t v = 0; v < vectors; ++v) {
+    store_vector(base + offset + v * 16, rewrite_sentinel(load_plain(source, first_vector + v)));
+  }
+}
+
+template <typename T>
+void oneshot(const OneShotParams& p, Epilogue epilogue) {
   ControlBlock& control = *p.control;
   check_not_failed(p.error_flag, p.rank);
   const uint32_t slot = control.slot;
-  const int64_t vectors = p.hidden / kElements;
-  const size_t bytes = size_t(p.tokens * p.hidden) * sizeof(T);
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
 
   // Send: this rank's packet, sentinel words rewritten, into every rank's slot.
-  for (int64_t v = 0; v < p.tokens * vectors; ++v) {
-    const Vec16 packet = rewrite_sentinel(load_plain(p.input, v));
-    for (int r = 0; r < p.world_size; ++r) {
-      char* base = p.workspace[r] + packet_offset(slot, p.rank, p.world_size, p.packet_bytes);
-      store_vector(base + v * 16, packet);
-    }
-  }
+  for (int r = 0; r < p.world_size; ++r) send_row(p, slot, r, 0, p.input, 0, p.tokens * vectors);
 
   clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes);
 
   // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
   std::vector<float> acc(size_t(p.hidden));
   for (int64_t token = 0; token < p.tokens; ++token) {
-    for (int64_t v = 0; v < vectors; ++v) {
-      Lanes& lanes = *reinterpret_cast<Lanes*>(&acc[v * kElements]);
-      const int64_t index = token * vectors + v;
-      for (int r = 0; r < p.world_size; ++r) {
-        const char* base =
-            p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
-        const Vec16 packet = poll_vector(base + index * 16, p.timeout_ns, p.error_flag, p.rank, r);
-        if (r == 0) {
-          accumulate_first<T>(lanes, packet);
-        } else {
-          accumulate<T>(lanes, packet);
-        }
+    receive_row<T>(p, slot, size_t(token) * row_bytes, vectors, acc);
+    finish_row<T>(acc, p, epilogue, token);
+  }
+  control.slot_bytes[slot] = uint64_t(p.tokens) * row_bytes;
+  control.slot = next_slot(slot);
+}
+
+// Two-shot (tpfuse/impl/lamport.h): reduce-scatter the input rows to their owners, finish the
+// owned rows and all-gather them rounded, finish the rows received rounded.
+template <typename T>
+void twoshot(const OneShotParams& p, Epilogue epilogue) {
+  constexpr int kElements = Packed<T>::kElements;
+  using Lanes = float[kElements];
+  ControlBlock& control = *p.control;
+  check_not_failed(p.error_flag, p.rank);
+  const uint32_t slot = control.slot;
+  const int64_t vectors = p.hidden / kElements;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+  const TwoShotLayout layout(p.tokens, p.world_size);
+
+  // Reduce-scatter: each input row to the rank that owns its token.
+  for (int owner = 0; owner < p.world_size; ++owner) {
+    for (int64_t local = 0; local < layout.count(owner); ++local) {
+      send_row(p, slot, owner, layout.scatter_row(local, row_bytes), p.input,
+               (layout.begin(owner) + local) * vectors, vectors);
+    }
+  }
+
+  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes);
+
+  // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t local = 0; local < layout.count(p.rank); ++local) {
+    receive_row<T>(p, slot, layout.scatter_row(local, row_bytes), vectors, acc);
+    finish_row<T>(acc, p, epilogue, layout.begin(p.rank) + local,
+                  [&](int64_t v, const Vec16& rounded) {
+                    for (int r = 0; r < p.world_size; ++r) {
+                      if (r == p.rank) continue;
+                      char* base = p.workspace[r] +
+                                   packet_offset(slot, p.rank, p.world_size, p.packet_bytes) +
+                                   layout.gather_row(local, row_bytes);
+                      store_vector(base + v * 16, rounded);
+                    }
+                  });
+  }
+
+  // Rows other ranks own arrive rounded: finish them exactly as their owner did.
+  const Epilogue gathered = epilogue == Epilogue::kSum ? Epilogue::kSum : Epilogue::kRmsNorm;
+  for (int owner = 0; owner < p.world_size; ++owner) {
+    if (owner == p.rank) continue;
+    const char* base =
+        p.workspace[p.rank] + packet_offset(slot, owner, p.world_size, p.packet_bytes);
+    for (int64_t local = 0; local < layout.count(owner); ++local) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        const Vec16 packet = poll_vector(base + layout.gather_row(local, row_bytes) + v * 16,
+                                         p.timeout_ns, p.error_flag, p.rank, owner);
+        accumulate_first<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements]), packet);
       }
+      finish_row<T>(acc, p, gathered, layout.begin(owner) + local);
+    }
+  }
+  control.slot_bytes[slot] = layout.sender_bytes(row_bytes);
+  control.slot = next_slot(slot);
+}
+
+template <typename T>
+void local_epilogue(const OneShotParams& p, Epilogue epilogue) {
+  constexpr int kElements = Packed<T>::kElements;
+  using Lanes = float[kElements];
+  const int64_t vectors = p.hidden / kElements;
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      accumulate_first<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements]),
+                          load_plain(p.input, token * vectors + v));
     }
     finish_row<T>(acc, p, epilogue, token);
   }
-  control.slot_bytes[slot] = bytes;
-  control.slot = next_slot(slot);
 }
 
 }  // namespace
@@ -129,22 +225,48 @@ void cpu_oneshot(const TeamState& team, const OneShotParams& params, DType dtype
   });
 }
 
-void cpu_add_rmsnorm(const AddRmsNormArgs& args) {
-  const OneShotParams p = make_local_params(args);
-  dispatch_dtype(args.dtype, [&](auto tag) {
+void cpu_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                 Epilogue epilogue) {
+  (void)team;
+  dispatch_dtype(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    constexpr int kElements = Packed<T>::kElements;
-    using Lanes = float[kElements];
-    const int64_t vectors = p.hidden / kElements;
-    std::vector<float> acc(size_t(p.hidden));
-    for (int64_t token = 0; token < p.tokens; ++token) {
-      for (int64_t v = 0; v < vectors; ++v) {
-        accumulate_first<T>(*reinterpret_cast<Lanes*>(&acc[v * kElements]),
-                            load_plain(p.input, token * vectors + v));
-      }
-      finish_row<T>(acc, p, Epilogue::kAddRmsNorm, token);
-    }
+    twoshot<T>(params, epilogue);
   });
+}
+
+void cpu_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue) {
+  dispatch_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    local_epilogue<T>(params, epilogue);
+  });
+}
+
+void cpu_allreduce_rows(const TeamState& team, const void* input, void* out, int64_t rows,
+                        int64_t row_elements, DType dtype) {
+  const size_t row_bytes = size_t(row_elements) * dtype_size(dtype);
+  const int64_t chunk = std::max<int64_t>(1, int64_t(team.packet_bytes / row_bytes));
+  for (int64_t first = 0; first < rows; first += chunk) {
+    OneShotParams sum = make_oneshot_params(team, AddRmsNormArgs{});
+    sum.input = static_cast<const char*>(input) + size_t(first) * row_bytes;
+    sum.norm_out = static_cast<char*>(out) + size_t(first) * row_bytes;
+    sum.tokens = std::min(chunk, rows - first);
+    sum.hidden = row_elements;
+    cpu_oneshot(team, sum, dtype, Epilogue::kSum);
+  }
+}
+
+void cpu_nccl_path(const TeamState& team, const OneShotParams& params, DType dtype,
+                   Epilogue epilogue) {
+  if (epilogue == Epilogue::kSum) {
+    cpu_allreduce_rows(team, params.input, params.norm_out, params.tokens, params.hidden, dtype);
+    return;
+  }
+  // The sum, rounded to dtype as NCCL delivers it, then the local epilogue on it.
+  std::vector<Vec16> sum(size_t(params.tokens * params.hidden) * dtype_size(dtype) / 16);
+  cpu_allreduce_rows(team, params.input, sum.data(), params.tokens, params.hidden, dtype);
+  OneShotParams local = params;
+  local.input = sum.data();
+  cpu_local_epilogue(local, dtype, epilogue);
 }
 
 void cpu_check(const TeamState& team) {
@@ -190,6 +312,13 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
     state->workspace = workspace;
     state->control = controls[r];
     state->error_flag = &controls[r]->error;
+    state->device_name = "cpu";
+    state->peer_memory = "host memory";
+    state->fused = options.peer_stores;
+    if (!options.peer_stores) {
+      state->fallback_reason =
+          "TeamOptions::peer_stores is false (CPU backend: ops run the NCCL path's stand-in)";
+    }
     state->memory = memory;
     team.emplace_back(std::move(state));
   }

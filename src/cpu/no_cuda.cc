@@ -12,7 +12,16 @@ namespace impl {
 void cuda_oneshot(const TeamState&, const OneShotParams&, DType, Epilogue, cudaStream_t) {
   no_cuda("allreduce_add_rmsnorm");
 }
-void cuda_add_rmsnorm(const AddRmsNormArgs&, cudaStream_t) {
+void cuda_twoshot(const TeamState&, const OneShotParams&, DType, Epilogue, cudaStream_t) {
+  no_cuda("allreduce_add_rmsnorm");
+}
+void cuda_nccl_path(const TeamState&, const OneShotParams&, DType, Epilogue, cudaStream_t) {
+  no_cuda("allreduce_add_rmsnorm");
+}
+void cuda_qk_nccl_path(const TeamState&, const QkNormParams&, DType, cudaStream_t) {
+  no_cuda("allreduce_qk_rmsnorm");
+}
+void cuda_local_epilogue(const OneShotParams&, DType, Epilogue, cudaStream_t) {
   no_cuda("add_rmsnorm");
 }
 void cuda_check(const TeamState&) {
@@ -43,6 +52,18 @@ int cuda_device_count() {
 }
 std::vector<Team> create_cuda_team(const std::vector<int>&, const TeamOptions&) {
   impl::no_cuda("create_cuda_team");
+}
+bool nccl_available() {
+  return false;
+}
+UniqueId create_unique_id() {
+  impl::no_cuda("create_unique_id");
+}
+Team create_nccl_team(ncclComm_t, const TeamOptions&) {
+  impl::no_cuda("create_nccl_team");
+}
+Team create_nccl_team(const UniqueId&, int, int, int, const TeamOptions&) {
+  impl::no_cuda("create_nccl_team");
 }
 
 }  // namespace tpfuse

@@ -44,65 +44,12 @@
 #include "common/team_state.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 
 namespace tpfuse::impl {
 namespace {
-
-template <int kVecsPerThread>
-__device__ __forceinline__ bool owns(int i, int64_t vectors) {
-  return threadIdx.x + int64_t(i) * blockDim.x < vectors;
-}
-__device__ __forceinline__ int64_t owned(int i) {
-  return threadIdx.x + int64_t(i) * blockDim.x;
-}
-
-// Loads this thread's vectors of row `row` of `base` (nothing where the thread owns none).
-template <int kVecsPerThread>
-__device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t vectors,
-                                         Vec16 (&out)[kVecsPerThread]) {
-#pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    if (owns<kVecsPerThread>(i, vectors)) out[i] = load_vector(base, row + owned(i));
-  }
-}
-
-// The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual
-// and gamma vectors were loaded earlier, while the packets were in flight.
-template <typename T, int kVecsPerThread, Epilogue kEpilogue>
-__device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
-                                           const Vec16 (&residual)[kVecsPerThread],
-                                           const Vec16 (&gamma)[kVecsPerThread],
-                                           const OneShotParams& p, int64_t token, int64_t vectors,
-                                           float* shared_sums) {
-  const int64_t row = token * vectors;
-  if constexpr (kEpilogue == Epilogue::kSum) {
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (owns<kVecsPerThread>(i, vectors)) {
-        store_vector(p.norm_out, row + owned(i), pack<T>(acc[i]));
-      }
-    }
-  } else {
-    constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
-    float sum_squares = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (owns<kVecsPerThread>(i, vectors)) {
-        const Vec16 rounded = residual_round<T, kHasResidual>(acc[i], residual[i], sum_squares);
-        if (p.residual_out != nullptr) store_vector(p.residual_out, row + owned(i), rounded);
-      }
-    }
-    const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (owns<kVecsPerThread>(i, vectors)) {
-        store_vector(p.norm_out, row + owned(i), normalize<T>(acc[i], gamma[i], scale));
-      }
-    }
-  }
-}
 
 template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParams p) {
@@ -165,59 +112,23 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
   if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  const size_t sender_stride = p.packet_bytes;
-  const char* slot_base = p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes);
+  const Vec16* slot_base = reinterpret_cast<const Vec16*>(
+      p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes));
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 residual[kVecsPerThread];
     if constexpr (kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (!owns<kVecsPerThread>(i, vectors)) continue;
-      const Vec16* address = reinterpret_cast<const Vec16*>(slot_base) + token * vectors + owned(i);
-      if constexpr (kWorldSize > 0) {
-        // All W loads in flight before the first use.
-        Vec16 packets[kWorldSize];
-#pragma unroll
-        for (int r = 0; r < kWorldSize; ++r) {
-          packets[r] = load_packet(reinterpret_cast<const Vec16*>(
-              reinterpret_cast<const char*>(address) + r * sender_stride));
-        }
-#pragma unroll
-        for (int r = 0; r < kWorldSize; ++r) {
-          if (!has_arrived(packets[r])) {
-            packets[r] =
-                wait_for_packet(reinterpret_cast<const Vec16*>(
-                                    reinterpret_cast<const char*>(address) + r * sender_stride),
-                                p.timeout_ns, &control->error, p.error_flag, r);
-          }
-        }
-        accumulate_first<T>(acc[i], packets[0]);
-#pragma unroll
-        for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
-      } else {
-        for (int r = 0; r < world; ++r) {
-          const Vec16* sender_address = reinterpret_cast<const Vec16*>(
-              reinterpret_cast<const char*>(address) + r * sender_stride);
-          Vec16 packet = load_packet(sender_address);
-          if (!has_arrived(packet))
-            packet =
-                wait_for_packet(sender_address, p.timeout_ns, &control->error, p.error_flag, r);
-          if (r == 0) {
-            accumulate_first<T>(acc[i], packet);
-          } else {
-            accumulate<T>(acc[i], packet);
-          }
-        }
-      }
-    }
-    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums);
+    receive_row<T, kWorldSize, kVecsPerThread>(acc, slot_base + token * vectors, p.packet_bytes,
+                                               world, vectors, p);
+    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
+                                             NoSend{});
   }
 }
 
-template <typename T, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotParams p) {
+// The local epilogue (no collective): kAddRmsNorm or kRmsNorm of one rank's input.
+template <typename T, Epilogue kEpilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const OneShotParams p) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
@@ -228,26 +139,16 @@ __global__ void __launch_bounds__(kMaxThreads) add_rmsnorm_kernel(const OneShotP
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 input[kVecsPerThread], residual[kVecsPerThread];
     load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
-    load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
+    if constexpr (kEpilogue == Epilogue::kAddRmsNorm) {
+      load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
+    }
     float acc[kVecsPerThread][kElements];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
     }
-    finish_row<T, kVecsPerThread, Epilogue::kAddRmsNorm>(acc, residual, gamma, p, token, vectors,
-                                                         shared_sums);
-  }
-}
-
-template <typename Fn>
-void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
-  switch (epilogue) {
-    case Epilogue::kSum:
-      return fn(std::integral_constant<Epilogue, Epilogue::kSum>{});
-    case Epilogue::kRmsNorm:
-      return fn(std::integral_constant<Epilogue, Epilogue::kRmsNorm>{});
-    case Epilogue::kAddRmsNorm:
-      return fn(std::integral_constant<Epilogue, Epilogue::kAddRmsNorm>{});
+    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
+                                             NoSend{});
   }
 }
 
@@ -258,44 +159,28 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
   if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
   const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
-  dispatch_dtype(dtype, [&](auto type_tag) {
-    using T = typename decltype(type_tag)::type;
-    dispatch_world_size(params.world_size, [&](auto world_tag) {
-      constexpr int kWorld = decltype(world_tag)::value;
-      dispatch_epilogue(epilogue, [&](auto epilogue_tag) {
-        constexpr Epilogue kEpilogue = decltype(epilogue_tag)::value;
-        dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
-          constexpr int kVecs = decltype(vecs_tag)::value;
-          if constexpr (kVecs > 1 &&
-                        (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
-            TPF_FAIL("no launch shape for hidden " << params.hidden);  // never chosen
-          } else {
-            const auto kernel = oneshot_kernel<T, kWorld, kEpilogue, kVecs>;
-            const int resident =
-                team.multiprocessors * resident_blocks_per_multiprocessor(kernel, shape.threads, 0);
-            const int blocks = int(std::min<int64_t>(params.tokens, resident));
-            launch(kernel, blocks, shape.threads, 0, stream, params);
-          }
-        });
-      });
-    });
+  dispatch_row_kernel(dtype, params.world_size, epilogue, shape, [&](auto kernel_tag) {
+    const auto kernel =
+        oneshot_kernel<typename decltype(kernel_tag)::T, decltype(kernel_tag)::kWorld,
+                       decltype(kernel_tag)::kEpilogue, decltype(kernel_tag)::kVecs>;
+    launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
+           stream, params);
   });
 }
 
-void cuda_add_rmsnorm(const AddRmsNormArgs& args, cudaStream_t stream) {
-  const OneShotParams params = make_local_params(args);
-  const LaunchShape shape = launch_shape(args.hidden, dtype_size(args.dtype));
-  const int blocks = int(std::min<int64_t>(args.tokens, 65535));
-  dispatch_dtype(args.dtype, [&](auto type_tag) {
-    using T = typename decltype(type_tag)::type;
-    dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
-      constexpr int kVecs = decltype(vecs_tag)::value;
-      if constexpr (kVecs > 1 && (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
-        TPF_FAIL("no launch shape for hidden " << args.hidden);  // never chosen
-      } else {
-        launch(add_rmsnorm_kernel<T, kVecs>, blocks, shape.threads, 0, stream, params);
-      }
-    });
+void cuda_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue,
+                         cudaStream_t stream) {
+  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
+  const int blocks = int(std::min<int64_t>(params.tokens, 65535));
+  const Epilogue local = epilogue == Epilogue::kAddRmsNorm ? epilogue : Epilogue::kRmsNorm;
+  dispatch_row_kernel(dtype, 2, local, shape, [&](auto kernel_tag) {
+    if constexpr (decltype(kernel_tag)::kEpilogue == Epilogue::kSum) {
+      TPF_FAIL("the local epilogue has no kSum form");  // never chosen
+    } else {
+      launch(local_epilogue_kernel<typename decltype(kernel_tag)::T,
+                                   decltype(kernel_tag)::kEpilogue, decltype(kernel_tag)::kVecs>,
+             blocks, shape.threads, 0, stream, params);
+    }
   });
 }
 

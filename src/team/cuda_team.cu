@@ -5,22 +5,18 @@
 #include <algorithm>
 #include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
 #include "common/team_state.h"
+#include "team/handshake.h"
+#include "team/nccl_support.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
 namespace impl {
 namespace {
-
-__global__ void fill_sentinel_kernel(uint32_t* words, size_t count) {
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    words[i] = kSentinel;
-  }
-}
 
 struct CudaTeamMemory : TeamMemory {
   struct Allocation {
@@ -29,9 +25,11 @@ struct CudaTeamMemory : TeamMemory {
   };
   std::vector<Allocation> device_allocations;
   std::vector<void*> host_allocations;
+  std::vector<void*> comms;  // ncclComm_t per rank, or none without NCCL
   ~CudaTeamMemory() override {
     int previous = 0;
     cudaGetDevice(&previous);
+    destroy_in_process_comms(comms);
     for (const auto& allocation : device_allocations) {
       cudaSetDevice(allocation.device);
       cudaDeviceSynchronize();
@@ -147,46 +145,96 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   }
   int previous = 0;
   TPF_CHECK_CUDA(cudaGetDevice(&previous));
-  for (int i = 0; i < world_size; ++i) {
-    TPF_CHECK_CUDA(cudaSetDevice(devices[i]));
-    for (int j = 0; j < world_size; ++j) {
+  auto memory = std::make_shared<impl::CudaTeamMemory>();
+  // NCCL communicators for the NCCL path (in-process: one per device, ncclCommInitAll).
+  memory->comms = impl::create_in_process_comms(devices);
+
+  std::string fallback_reason;
+  if (!options.peer_stores) fallback_reason = "TeamOptions::peer_stores is false";
+  for (int i = 0; i < world_size && fallback_reason.empty(); ++i) {
+    for (int j = 0; j < world_size && fallback_reason.empty(); ++j) {
       if (i == j) continue;
       int can_access = 0;
       TPF_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, devices[i], devices[j]));
-      TPF_CHECK_ARG(can_access, op,
-                    "device " << devices[i] << " cannot access device " << devices[j]
-                              << " as a peer (no P2P between them); use a multi-process team "
-                                 "over NCCL instead");
-      impl::enable_peer_access(devices[i], devices[j]);
+      if (!can_access) {
+        fallback_reason = "device " + std::to_string(devices[i]) + " cannot access device " +
+                          std::to_string(devices[j]) + " as a peer (no P2P between them)";
+      }
+    }
+  }
+  if (!fallback_reason.empty() && memory->comms.empty()) {
+    TPF_CHECK_ARG(false, op, fallback_reason << ", and this build has no NCCL to fall back on");
+  }
+  const bool peer_stores = fallback_reason.empty();
+  if (peer_stores) {
+    for (int i = 0; i < world_size; ++i) {
+      TPF_CHECK_CUDA(cudaSetDevice(devices[i]));
+      for (int j = 0; j < world_size; ++j) {
+        if (i != j) impl::enable_peer_access(devices[i], devices[j]);
+      }
     }
   }
 
-  auto memory = std::make_shared<impl::CudaTeamMemory>();
-  const size_t bytes = impl::workspace_bytes(world_size, options.packet_bytes);
   std::array<char*, impl::kMaxWorld> workspace{};
   std::vector<impl::ControlBlock*> controls(world_size);
   std::vector<int> multiprocessors(world_size);
+  std::vector<float*> qk_sums(world_size);
   uint32_t* error_flags = nullptr;
+  uint32_t* arrived = nullptr;
   TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&error_flags),
-                               sizeof(uint32_t) * world_size,
+                               sizeof(uint32_t) * world_size * (1 + world_size),
                                cudaHostAllocMapped | cudaHostAllocPortable));
   memory->host_allocations.push_back(error_flags);
+  arrived = error_flags + world_size;  // [world][world] handshake results
+  const size_t bytes = impl::allocation_bytes(world_size, options.packet_bytes);
   for (int r = 0; r < world_size; ++r) {
     error_flags[r] = 0;
     TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
     void* pointer = nullptr;
-    TPF_CHECK_CUDA(cudaMalloc(&pointer, bytes));
-    memory->device_allocations.push_back({devices[r], pointer});
-    workspace[r] = static_cast<char*>(pointer);
-    impl::fill_sentinel_kernel<<<1024, 256>>>(static_cast<uint32_t*>(pointer), bytes / 4);
-    TPF_CHECK_CUDA(cudaGetLastError());
+    if (peer_stores) {
+      TPF_CHECK_CUDA(cudaMalloc(&pointer, bytes));
+      memory->device_allocations.push_back({devices[r], pointer});
+      workspace[r] = static_cast<char*>(pointer);
+      impl::fill_sentinel(pointer, bytes, nullptr);
+    }
     TPF_CHECK_CUDA(cudaMalloc(&pointer, sizeof(impl::ControlBlock)));
     memory->device_allocations.push_back({devices[r], pointer});
     controls[r] = static_cast<impl::ControlBlock*>(pointer);
     TPF_CHECK_CUDA(cudaMemset(pointer, 0, sizeof(impl::ControlBlock)));
+    if (!memory->comms.empty()) {
+      TPF_CHECK_CUDA(cudaMalloc(&pointer, options.packet_bytes));
+      memory->device_allocations.push_back({devices[r], pointer});
+      qk_sums[r] = static_cast<float*>(pointer);
+    }
     TPF_CHECK_CUDA(
         cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount, devices[r]));
     TPF_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  if (peer_stores && world_size > 1) {
+    // Every rank's handshake kernel is queued before any is waited for: they poll each other.
+    for (int r = 0; r < world_size; ++r) {
+      TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+      impl::launch_handshake(
+          workspace, r, world_size, impl::workspace_bytes(world_size, options.packet_bytes),
+          uint64_t(options.handshake_timeout_seconds * 1e9), arrived + r * world_size, nullptr);
+    }
+    std::vector<uint32_t> masks(world_size);
+    for (int r = 0; r < world_size; ++r) {
+      TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+      TPF_CHECK_CUDA(cudaDeviceSynchronize());
+      masks[r] = impl::arrived_mask(arrived + r * world_size, world_size);
+    }
+    fallback_reason =
+        impl::handshake_verdict(masks.data(), world_size, options.handshake_timeout_seconds);
+    if (!fallback_reason.empty() && memory->comms.empty()) {
+      TPF_FAIL(op << ": " << fallback_reason << ", and this build has no NCCL to fall back on");
+    }
+  }
+  std::string device_name;
+  {
+    cudaDeviceProp properties{};
+    TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, devices[0]));
+    device_name = properties.name;
   }
   TPF_CHECK_CUDA(cudaSetDevice(previous));
 
@@ -203,6 +251,12 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     state->control = controls[r];
     state->error_flag = error_flags + r;
     state->multiprocessors = multiprocessors[r];
+    state->device_name = device_name;
+    state->fused = fallback_reason.empty();
+    state->fallback_reason = fallback_reason;
+    state->peer_memory = state->fused ? "cuda peer access" : "none";
+    state->nccl_comm = memory->comms.empty() ? nullptr : memory->comms[r];
+    state->qk_sums = qk_sums[r];
     state->memory = memory;
     team.emplace_back(std::move(state));
   }

@@ -31,6 +31,9 @@ class Harness {
   // Queues call(rank, stream) on every rank without waiting for device work (CPU: same as run).
   virtual void enqueue(const std::function<void(int rank, cudaStream_t stream)>& call) = 0;
   virtual void synchronize() = 0;
+
+  // The algorithm the property suites force on every call (kAuto: the team chooses).
+  Algorithm algorithm = Algorithm::kAuto;
 };
 
 class CpuHarness : public Harness {

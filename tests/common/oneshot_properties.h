@@ -28,7 +28,8 @@ struct CaseSpec {
   bool norm_in_place = false;      // norm_out is the input tensor
   bool residual_in_place = false;  // residual_out is the residual tensor
   float eps = 1e-6f;
-  bool plain_allreduce = false;  // tpfuse::allreduce of tokens * hidden elements
+  bool plain_allreduce = false;            // tpfuse::allreduce of tokens * hidden elements
+  Algorithm algorithm = Algorithm::kAuto;  // kAuto: the harness's algorithm
 };
 
 struct CaseData {
@@ -38,8 +39,9 @@ struct CaseData {
 };
 
 struct CaseResult {
-  std::vector<HostTensor> residual_out;  // per rank
-  std::vector<HostTensor> norm_out;      // per rank
+  std::vector<HostTensor> residual_out;    // per rank
+  std::vector<HostTensor> norm_out;        // per rank
+  Algorithm algorithm = Algorithm::kAuto;  // what rank 0's call reported it ran
 };
 
 inline std::string describe(const CaseSpec& spec) {
@@ -48,6 +50,7 @@ inline std::string describe(const CaseSpec& spec) {
       << (spec.plain_allreduce ? " allreduce" : "") << (spec.residual ? " residual" : "")
       << (spec.residual_out ? " residual_out" : "") << (spec.norm_in_place ? " norm_in_place" : "")
       << (spec.residual_in_place ? " residual_in_place" : "");
+  if (spec.algorithm != Algorithm::kAuto) out << " " << algorithm_name(spec.algorithm);
   return out.str();
 }
 
@@ -88,13 +91,18 @@ class OneShotRunner {
         if (!spec.residual_in_place) harness_.upload(r, b.residual_out, poison.data(), bytes);
       }
     }
+    std::vector<Algorithm> ran(specs.size());
     harness_.enqueue([&](int rank, cudaStream_t stream) {
-      for (size_t c = 0; c < specs.size(); ++c) call(specs[c], buffers[c][rank], rank, stream);
+      for (size_t c = 0; c < specs.size(); ++c) {
+        const Algorithm algorithm = call(specs[c], buffers[c][rank], rank, stream);
+        if (rank == 0) ran[c] = algorithm;
+      }
     });
     harness_.synchronize();
     std::vector<CaseResult> results(specs.size());
     for (size_t c = 0; c < specs.size(); ++c) {
       const CaseSpec& spec = specs[c];
+      results[c].algorithm = ran[c];
       const size_t count = size_t(spec.tokens * spec.hidden);
       for (int r = 0; r < world; ++r) {
         const Buffers& b = buffers[c][r];
@@ -148,12 +156,13 @@ class OneShotRunner {
     return b;
   }
 
-  void call(const CaseSpec& spec, const Buffers& b, int rank, cudaStream_t stream) {
+  Algorithm call(const CaseSpec& spec, const Buffers& b, int rank, cudaStream_t stream) {
     const Team& team = harness_.team()[rank];
+    const Algorithm algorithm =
+        spec.algorithm != Algorithm::kAuto ? spec.algorithm : harness_.algorithm;
     if (spec.plain_allreduce) {
-      allreduce(team, b.input, spec.norm_in_place ? b.input : b.norm_out, spec.tokens * spec.hidden,
-                spec.dtype, stream);
-      return;
+      return allreduce(team, b.input, spec.norm_in_place ? b.input : b.norm_out,
+                       spec.tokens * spec.hidden, spec.dtype, stream, algorithm);
     }
     AddRmsNormArgs args;
     args.input = b.input;
@@ -167,7 +176,8 @@ class OneShotRunner {
     args.hidden = spec.hidden;
     args.dtype = spec.dtype;
     args.eps = spec.eps;
-    allreduce_add_rmsnorm(team, args, stream);
+    args.algorithm = algorithm;
+    return allreduce_add_rmsnorm(team, args, stream);
   }
 
   Harness& harness_;
@@ -187,15 +197,18 @@ inline void expect_correct(const CaseSpec& spec, const CaseData& data, const Cas
       data.inputs, spec.residual && !spec.plain_allreduce ? &data.residuals[0] : nullptr,
       data.gamma, spec.tokens, spec.hidden, spec.eps);
   const size_t count = ref.residual_out.size();
+  // The NCCL path rounds the rank sum to the dtype before the residual add: one more rounding
+  // of a value at most `magnitude`.
+  const double extra = result.algorithm == Algorithm::kNccl ? u : 0.0;
   std::vector<double> residual_tolerance(count), norm_tolerance(count);
   for (size_t i = 0; i < count; ++i) {
     residual_tolerance[i] =
-        u * std::fabs(ref.residual_out[i]) + accumulation * ref.magnitude[i] + tiny16;
+        u * std::fabs(ref.residual_out[i]) + (accumulation + extra) * ref.magnitude[i] + tiny16;
     // The norm sees residual_out rounded (u), the rms of rounded values, and its own rounding;
     // the fp32 sum of squares over the row adds up to hidden * 2^-24 relative to the variance.
     const double variance_error = 0.5 * double(spec.hidden) * std::ldexp(1.0, -24);
     norm_tolerance[i] = (4 * u + variance_error) * std::fabs(ref.norm_out[i]) +
-                        (2 * u + accumulation) * ref.norm_scale[i] + tiny16;
+                        (2 * u + accumulation + 2 * extra) * ref.norm_scale[i] + tiny16;
   }
   for (size_t r = 0; r < result.norm_out.size(); ++r) {
     const std::string where = describe(spec) + " rank " + std::to_string(r);
@@ -239,13 +252,18 @@ inline CaseSpec random_spec(std::mt19937_64& rng, int64_t max_tokens) {
   return spec;
 }
 
+// Most tokens the harness's algorithm carries for this spec.
+inline int64_t max_tokens_of(Harness& harness, const CaseSpec& spec) {
+  return harness.team()[0].max_tokens(spec.hidden, spec.dtype, harness.algorithm);
+}
+
 // Random shapes, dtypes, residual forms and in-place use.
 inline void check_random_cases(Harness& harness, uint64_t seed, int cases, int64_t max_tokens) {
   std::mt19937_64 rng(seed);
   OneShotRunner runner(harness);
   for (int c = 0; c < cases; ++c) {
     CaseSpec spec = random_spec(rng, max_tokens);
-    spec.tokens = std::min(spec.tokens, harness.team()[0].max_tokens(spec.hidden, spec.dtype));
+    spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
     const CaseData data = random_case(rng, spec, harness.world_size());
     expect_correct(spec, data, runner.run(spec, data));
     if (::testing::Test::HasFailure()) return;
@@ -369,6 +387,11 @@ inline void check_consecutive_calls(Harness& harness, uint64_t seed, int calls, 
       spec.tokens = done % 7 == 0 ? max_tokens : 1 + int64_t(rng() % 9);
       spec.tokens = std::min<int64_t>(spec.tokens, 65536 / spec.hidden + 1);
       spec.residual = done % 5 != 4;
+      // With no algorithm forced, one-shot and two-shot alternate at random: they share the
+      // slots, so each must clear what the other wrote.
+      if (harness.algorithm == Algorithm::kAuto) {
+        spec.algorithm = rng() % 2 ? Algorithm::kOneShot : Algorithm::kTwoShot;
+      }
       specs.push_back(spec);
       data.push_back(random_case(rng, spec, harness.world_size(), done % 2 ? 1000.0 : 1.0));
     }
@@ -378,6 +401,52 @@ inline void check_consecutive_calls(Harness& harness, uint64_t seed, int calls, 
       expect_correct(specs[c], data[c], results[c]);
     }
     if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// Batch invariance: a token's outputs have the same bits whichever fused algorithm ran and
+// whatever batch the token came in (one-shot and two-shot, the whole batch and its first half).
+inline void check_batch_invariance(Harness& harness, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  for (DType dtype : kDTypes) {
+    for (int64_t hidden : {int64_t(40), int64_t(3072)}) {
+      CaseSpec spec;
+      spec.dtype = dtype;
+      spec.hidden = hidden;
+      spec.tokens = 2 * harness.world_size() + 3;  // owned ranges of unequal length
+      spec.residual = rng() % 2 == 0;
+      spec.residual_out = true;
+      const CaseData data = random_case(rng, spec, harness.world_size());
+      spec.algorithm = Algorithm::kOneShot;
+      const CaseResult oneshot = runner.run(spec, data);
+      expect_correct(spec, data, oneshot);
+      spec.algorithm = Algorithm::kTwoShot;
+      const CaseResult twoshot = runner.run(spec, data);
+      expect_correct(spec, data, twoshot);
+      EXPECT_EQ(twoshot.algorithm, Algorithm::kTwoShot);
+      for (int r = 0; r < harness.world_size(); ++r) {
+        EXPECT_TRUE(twoshot.norm_out[r].bytes == oneshot.norm_out[r].bytes)
+            << describe(spec) << ": two-shot norm_out differs in bits from one-shot, rank " << r;
+        EXPECT_TRUE(twoshot.residual_out[r].bytes == oneshot.residual_out[r].bytes)
+            << describe(spec) << ": two-shot residual_out differs from one-shot, rank " << r;
+      }
+      // The first half of the batch alone, two-shot: the same bits for those tokens.
+      CaseSpec half = spec;
+      half.tokens = spec.tokens / 2;
+      CaseData half_data = data;
+      const size_t half_bytes = size_t(half.tokens * hidden) * dtype_size(dtype);
+      for (auto* tensors : {&half_data.inputs, &half_data.residuals}) {
+        for (HostTensor& tensor : *tensors) tensor.bytes.resize(half_bytes);
+      }
+      const CaseResult alone = runner.run(half, half_data);
+      for (int r = 0; r < harness.world_size(); ++r) {
+        EXPECT_TRUE(std::equal(alone.norm_out[r].bytes.begin(), alone.norm_out[r].bytes.end(),
+                               oneshot.norm_out[r].bytes.begin()))
+            << describe(half) << ": a token's bits depend on its batch, rank " << r;
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
   }
 }
 

@@ -197,8 +197,10 @@ inline QkResult download_qk(Harness& h, const QkSpec& s, const QkData& d,
 inline QkResult run_qk(Harness& h, const QkSpec& s, const QkData& d) {
   const std::vector<QkBuffers> b = upload_qk(h, s, d);
   h.run([&](int rank, cudaStream_t stream) {
-    allreduce_qk_rmsnorm(h.team()[rank], qk_args(s, b[rank], d.max_position, h.world_size()),
-                         stream);
+    QkNormArgs args = qk_args(s, b[rank], d.max_position, h.world_size());
+    args.algorithm = h.algorithm;
+    const Algorithm ran = allreduce_qk_rmsnorm(h.team()[rank], args, stream);
+    if (h.algorithm != Algorithm::kAuto) EXPECT_EQ(ran, h.algorithm);
   });
   return download_qk(h, s, d, b);
 }

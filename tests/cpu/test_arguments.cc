@@ -81,9 +81,20 @@ TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
                   "residual_out partially overlaps residual");
   expect_rejected([this](auto& a) { a.residual_out = buffers_.norm_out; },
                   "residual_out and norm_out are the same");
-  expect_rejected([](auto& a) { a.tokens = 3; },
-                  "tokens 3 x hidden 64 of bfloat16 needs 384 bytes, over the team's packet "
-                  "capacity of 256 bytes (at most 2 tokens");
+  expect_rejected(
+      [](auto& a) {
+        a.tokens = 3;
+        a.algorithm = Algorithm::kOneShot;
+      },
+      "tokens 3 x hidden 64 of bfloat16 needs 384 bytes, more than oneshot carries in the "
+      "team's packet capacity of 256 bytes (at most 2 tokens");
+  expect_rejected(
+      [](auto& a) {
+        a.tokens = 3;
+        a.algorithm = Algorithm::kTwoShot;
+      },
+      "more than twoshot carries in the team's packet capacity of 256 bytes (at most 2 tokens");
+  expect_rejected([](auto& a) { a.algorithm = Algorithm(9); }, "algorithm 9 is not an Algorithm");
 }
 
 TEST_F(Arguments, InPlaceIsAcceptedAndEmptyBatchIsANoOp) {
@@ -126,10 +137,16 @@ TEST(TeamCreation, RejectsBadWorldSizesAndOptions) {
   options = {};
   options.peer_timeout_seconds = -1;
   expect_error_naming([&] { create_cpu_team(2, options); }, "options.peer_timeout_seconds");
+  if (!cuda_available()) {
+    expect_error_naming([] { create_cuda_team({0, 1}); }, "has no CUDA backend");
+    return;
+  }
   if (cuda_device_count() == 0) {
     expect_error_naming([] { create_cuda_team({0, 1}); }, "devices[0] = 0");
   }
   expect_error_naming([] { create_cuda_team({}); }, "devices must name 1 to 16 GPUs");
+  expect_error_naming([] { create_nccl_team(nullptr); },
+                      nccl_available() ? "comm is null" : "has no NCCL");
 }
 
 }  // namespace

@@ -3,32 +3,60 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <string>
+#include <tuple>
 
 #include "oneshot_properties.h"
 
 namespace tpfuse::testing {
 namespace {
 
+// Each property at each world size, for each algorithm forced (the NCCL path's CPU stand-in
+// included).
+class CpuAlgorithms : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {
+ protected:
+  CpuAlgorithms() : harness_(std::get<0>(GetParam())) {
+    harness_.algorithm = std::get<1>(GetParam());
+  }
+  uint64_t seed(uint64_t base) const {
+    return base + 100 * uint64_t(std::get<1>(GetParam())) + uint64_t(std::get<0>(GetParam()));
+  }
+  CpuHarness harness_;
+};
+
+TEST_P(CpuAlgorithms, MatchesFloat64ReferenceOnRandomCases) {
+  check_random_cases(harness_, seed(1000), 40, 37);
+}
+
+TEST_P(CpuAlgorithms, RepeatedCallsGiveIdenticalBits) {
+  check_repeatable(harness_, seed(2000));
+}
+
+TEST_P(CpuAlgorithms, AdversarialPayloads) {
+  check_adversarial(harness_, seed(3000));
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
+                         ::testing::Combine(::testing::Values(2, 3, 4, 5, 8),
+                                            ::testing::Values(Algorithm::kOneShot,
+                                                              Algorithm::kTwoShot,
+                                                              Algorithm::kNccl)),
+                         [](const auto& info) {
+                           return std::string(algorithm_name(std::get<1>(info.param))) + "_world" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
+
 class CpuOneShot : public ::testing::TestWithParam<int> {};
 
-TEST_P(CpuOneShot, MatchesFloat64ReferenceOnRandomCases) {
-  CpuHarness harness(GetParam());
-  check_random_cases(harness, 1000 + GetParam(), 60, 37);
-}
-
-TEST_P(CpuOneShot, RepeatedCallsGiveIdenticalBits) {
-  CpuHarness harness(GetParam());
-  check_repeatable(harness, 2000 + GetParam());
-}
-
-TEST_P(CpuOneShot, AdversarialPayloads) {
-  CpuHarness harness(GetParam());
-  check_adversarial(harness, 3000 + GetParam());
-}
-
+// One-shot and two-shot alternating at random from call to call (they share the slots).
 TEST_P(CpuOneShot, ThousandsOfConsecutiveCalls) {
   CpuHarness harness(GetParam());
   check_consecutive_calls(harness, 4000 + GetParam(), 3000, 16, 64);
+}
+
+TEST_P(CpuOneShot, TwoShotGivesOneShotBitsWhateverTheBatch) {
+  CpuHarness harness(GetParam());
+  check_batch_invariance(harness, 5000 + GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuOneShot, ::testing::Values(2, 3, 4, 5, 8),
@@ -47,6 +75,7 @@ TEST(CpuOneShotLimits, LargestMessageTheWorkspaceHoldsAndOneTokenMore) {
   const CaseData data = random_case(rng, spec, 2);
   expect_correct(spec, data, runner.run(spec, data));
   spec.tokens = max_tokens + 1;
+  spec.algorithm = Algorithm::kOneShot;
   const CaseData over = random_case(rng, spec, 2);
   try {
     runner.run(spec, over);
@@ -56,7 +85,13 @@ TEST(CpuOneShotLimits, LargestMessageTheWorkspaceHoldsAndOneTokenMore) {
     EXPECT_NE(std::string(error.what()).find("at most 10 tokens"), std::string::npos)
         << error.what();
   }
+  // Not forced, the same call runs another algorithm that carries it.
+  spec.algorithm = Algorithm::kAuto;
+  const CaseResult auto_result = runner.run(spec, over);
+  EXPECT_NE(auto_result.algorithm, Algorithm::kOneShot);
+  expect_correct(spec, over, auto_result);
   // The rejected call used no slot: the team still works.
+  spec.algorithm = Algorithm::kOneShot;
   spec.tokens = 3;
   const CaseData after = random_case(rng, spec, 2);
   expect_correct(spec, after, runner.run(spec, after));

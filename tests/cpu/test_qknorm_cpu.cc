@@ -16,6 +16,14 @@ TEST_P(CpuQkNorm, MatchesFloat64ReferenceOfTheUnfusedPattern) {
   check_qk_random_cases(harness, 100 + GetParam(), 40);
 }
 
+// The NCCL path (its CPU stand-in): qk_sum_squares, an all-reduce of the sums, the norm.
+TEST_P(CpuQkNorm, NcclPathMatchesFloat64Reference) {
+  CpuHarness harness(GetParam());
+  harness.algorithm = Algorithm::kNccl;
+  check_qk_random_cases(harness, 150 + GetParam(), 20);
+  check_qk_adversarial(harness, 160 + GetParam());
+}
+
 TEST_P(CpuQkNorm, IdenticalSlicesGiveIdenticalBitsOnEveryRank) {
   CpuHarness harness(GetParam());
   check_qk_identical_across_ranks(harness, 200 + GetParam());

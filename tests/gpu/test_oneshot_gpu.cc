@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 
 #include "cuda_harness.h"
 #include "oneshot_properties.h"
@@ -56,7 +58,83 @@ TEST_F(GpuOneShot, LargestMessageTheWorkspaceHolds) {
   const CaseData data = random_case(rng, spec, harness.world_size());
   expect_correct(spec, data, runner.run(spec, data));
   spec.tokens += 1;
+  spec.algorithm = Algorithm::kOneShot;
   EXPECT_THROW(runner.run(spec, random_case(rng, spec, harness.world_size())), Error);
+  // Not forced: another algorithm carries it.
+  spec.algorithm = Algorithm::kAuto;
+  const CaseData over = random_case(rng, spec, harness.world_size());
+  const CaseResult result = runner.run(spec, over);
+  EXPECT_NE(result.algorithm, Algorithm::kOneShot);
+  expect_correct(spec, over, result);
+}
+
+// Two-shot and the NCCL path, forced: the same properties as one-shot.
+class GpuAlgorithms : public MultiGpuTest, public ::testing::WithParamInterface<Algorithm> {};
+
+TEST_P(GpuAlgorithms, MatchesFloat64ReferenceOnRandomCases) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_random_cases(harness, 40 + int(GetParam()), 80, 1024);
+}
+
+TEST_P(GpuAlgorithms, RepeatedCallsGiveIdenticalBits) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_repeatable(harness, 50 + int(GetParam()));
+}
+
+TEST_P(GpuAlgorithms, AdversarialPayloads) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_adversarial(harness, 60 + int(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, GpuAlgorithms,
+                         ::testing::Values(Algorithm::kTwoShot, Algorithm::kNccl),
+                         [](const auto& info) { return algorithm_name(info.param); });
+
+TEST_F(GpuOneShot, TwoShotGivesOneShotBitsWhateverTheBatch) {
+  CudaHarness harness(gpus());
+  check_batch_invariance(harness, 70);
+}
+
+TEST_F(GpuOneShot, CreationHandshakeProvesPeerStores) {
+  CudaHarness harness(gpus());
+  for (const Team& team : harness.team()) {
+    EXPECT_EQ(team.fallback_reason(), "");
+    EXPECT_EQ(team.peer_memory(), "cuda peer access");
+  }
+}
+
+// A peer whose stores never arrive (simulated: rank 1 skips its handshake store into rank 0):
+// the team says why and runs every op through NCCL, correctly, instead of hanging.
+TEST_F(GpuOneShot, FailedHandshakeFallsBackToNccl) {
+  TeamOptions options;
+  options.handshake_timeout_seconds = 0.5;
+  setenv("TPFUSE_TEST_HANDSHAKE_DROP", "1>0", 1);
+  std::unique_ptr<CudaHarness> harness;
+  try {
+    harness = std::make_unique<CudaHarness>(gpus(), options);
+  } catch (...) {
+    unsetenv("TPFUSE_TEST_HANDSHAKE_DROP");
+    throw;
+  }
+  unsetenv("TPFUSE_TEST_HANDSHAKE_DROP");
+  for (const Team& team : harness->team()) {
+    EXPECT_NE(team.fallback_reason().find("rank 0 did not see rank 1's store"), std::string::npos)
+        << team.fallback_reason();
+    EXPECT_EQ(team.choose(1, 3072, DType::kBFloat16), Algorithm::kNccl);
+  }
+  check_random_cases(*harness, 80, 10, 64);
+}
+
+TEST_F(GpuOneShot, TeamWithoutPeerStoresUsesNccl) {
+  TeamOptions options;
+  options.peer_stores = false;
+  CudaHarness harness(gpus(), options);
+  EXPECT_EQ(harness.team()[0].peer_memory(), "none");
+  EXPECT_THROW(harness.team()[0].choose(1, 3072, DType::kBFloat16, Algorithm::kOneShot), Error);
+  check_random_cases(harness, 81, 10, 64);
 }
 
 // Each rank captures two back-to-back calls into a CUDA graph (different sizes and buffers);

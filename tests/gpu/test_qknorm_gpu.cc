@@ -16,6 +16,14 @@ TEST_F(GpuQkNorm, MatchesFloat64ReferenceOfTheUnfusedPattern) {
   check_qk_random_cases(harness, 500, 80);
 }
 
+// The NCCL path: qk_sum_squares, ncclAllReduce of the [tokens, 2] sums, qk_rmsnorm_from_sums.
+TEST_F(GpuQkNorm, NcclPathMatchesFloat64Reference) {
+  CudaHarness harness(gpus());
+  harness.algorithm = Algorithm::kNccl;
+  check_qk_random_cases(harness, 550, 30);
+  check_qk_adversarial(harness, 551);
+}
+
 TEST_F(GpuQkNorm, IdenticalSlicesGiveIdenticalBitsOnEveryRank) {
   CudaHarness harness(gpus());
   check_qk_identical_across_ranks(harness, 501);

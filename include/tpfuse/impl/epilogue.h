@@ -5,9 +5,15 @@
 // Rounding: the rank sum and the residual add are done in fp32 and rounded once to the output
 // type (residual_out). The norm is computed from residual_out as stored, so norm_out is exactly
 // rmsnorm(residual_out) * gamma evaluated in fp32 and rounded once.
+//
+// Canonical zeros: a rounded output word whose bits equal the Lamport sentinel (-0.0f; a 16-bit
+// pair of +0 low, -0 high) is stored as +0, and the norm is computed from that. The two-shot
+// all-gather carries rounded outputs as Lamport packets, which cannot hold the sentinel; doing
+// the same in every epilogue keeps one-shot, two-shot and the local kernel bit-identical.
 #pragma once
 
 #include "tpfuse/impl/config.h"
+#include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
 
 namespace tpfuse::impl {
@@ -33,8 +39,16 @@ TPF_HOST_DEVICE void accumulate(float (&acc)[Packed<T>::kElements], const Vec16&
   for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] += lanes[i];
 }
 
+// Rounds fp32 lanes once to T, with canonical zeros (above).
+template <typename T>
+TPF_HOST_DEVICE Vec16 round_output(const float (&acc)[Packed<T>::kElements]) {
+  return rewrite_sentinel(pack<T>(acc));
+}
+
 // Adds the residual (if any), rounds once to T, and leaves in `acc` the rounded values as fp32
 // (what the norm must see). Returns the rounded vector and adds its squares to `sum_squares`.
+// Given acc = the lanes of an already rounded vector and no residual, it returns that vector:
+// how two-shot ranks finish rows they receive rounded.
 template <typename T, bool kHasResidual>
 TPF_HOST_DEVICE Vec16 residual_round(float (&acc)[Packed<T>::kElements], const Vec16& residual,
                                      float& sum_squares) {
@@ -44,7 +58,7 @@ TPF_HOST_DEVICE Vec16 residual_round(float (&acc)[Packed<T>::kElements], const V
     TPF_UNROLL
     for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] += lanes[i];
   }
-  const Vec16 rounded = pack<T>(acc);
+  const Vec16 rounded = round_output<T>(acc);
   unpack<T>(rounded, acc);
   TPF_UNROLL
   for (int i = 0; i < Packed<T>::kElements; ++i) sum_squares += acc[i] * acc[i];

@@ -24,6 +24,17 @@
 //    have read it (an arrival count), so no host state changes per call and the kernel can be
 //    captured in a CUDA graph and replayed forever.
 //
+// Two-shot uses the same slots, sentinel, rotation and clearing. Rank o owns the contiguous tokens
+// [o * per, (o + 1) * per) (per = ceil(tokens / W), the last ranks may own fewer or none). In a
+// call, sender r's region of the slot in rank o's workspace holds rows [0, per): r's input rows
+// of the tokens o owns (reduce-scatter); and rows [per, 2 per): r's finished, rounded rows of
+// the tokens r owns (all-gather). Every word stored into a slot is polled by its receiver in the
+// same call, so the argument above (clear what the previous call read, drift of at most one
+// call) holds unchanged: a rank finishes call k only after every rank has sent its call-k rows.
+//
+// After the slots each workspace holds a handshake area: one 16-byte word per sender, which the
+// team's creation handshake stores into and polls (proof that peer stores arrive).
+//
 // WARNING: the sentinel is a bit pattern. Compare bits, never values: -0.0f == 0.0f is true and a
 // value comparison would accept an empty word as data (or, written as "== 0 && signbit", get
 // optimized into exactly that). Every comparison here is on uint32_t.
@@ -66,6 +77,48 @@ TPF_HOST_DEVICE size_t packet_offset(uint32_t slot, int sender, int world_size,
 
 TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
   return size_t(kSlots) * size_t(world_size) * packet_bytes;
+}
+
+// Bytes of the handshake area after the slots.
+constexpr size_t kHandshakeBytes = 16 * kMaxWorld;
+
+// Bytes to allocate for one rank's workspace: the slots and the handshake area.
+TPF_HOST_DEVICE size_t allocation_bytes(int world_size, size_t packet_bytes) {
+  return workspace_bytes(world_size, packet_bytes) + kHandshakeBytes;
+}
+
+// The two-shot token split (see above).
+struct TwoShotLayout {
+  int64_t tokens;
+  int64_t per_rank;
+  TPF_HOST_DEVICE TwoShotLayout(int64_t token_count, int world_size)
+      : tokens(token_count), per_rank((token_count + world_size - 1) / world_size) {}
+  TPF_HOST_DEVICE int owner(int64_t token) const { return int(token / per_rank); }
+  TPF_HOST_DEVICE int64_t begin(int rank) const {
+    return int64_t(rank) * per_rank < tokens ? int64_t(rank) * per_rank : tokens;
+  }
+  TPF_HOST_DEVICE int64_t count(int rank) const {
+    const int64_t end =
+        (int64_t(rank) + 1) * per_rank < tokens ? (int64_t(rank) + 1) * per_rank : tokens;
+    return end - begin(rank);
+  }
+  // Bytes of each sender region a call uses (what the next call but one clears).
+  TPF_HOST_DEVICE uint64_t sender_bytes(size_t row_bytes) const {
+    return uint64_t(2 * per_rank) * row_bytes;
+  }
+  // Byte offset, inside a sender region, of input row `local` (reduce-scatter) and of finished
+  // row `local` (all-gather).
+  TPF_HOST_DEVICE size_t scatter_row(int64_t local, size_t row_bytes) const {
+    return size_t(local) * row_bytes;
+  }
+  TPF_HOST_DEVICE size_t gather_row(int64_t local, size_t row_bytes) const {
+    return size_t(per_rank + local) * row_bytes;
+  }
+};
+
+// Most tokens of `row_bytes` a two-shot call carries: 2 * ceil(T / W) rows per sender region.
+TPF_HOST_DEVICE int64_t twoshot_max_tokens(int world_size, size_t packet_bytes, size_t row_bytes) {
+  return int64_t(world_size) * int64_t(packet_bytes / (2 * row_bytes));
 }
 
 TPF_HOST_DEVICE Vec16 sentinel_vector() {

@@ -1,0 +1,187 @@
+// Row-level device helpers of the add-RMSNorm kernels (one-shot, two-shot, local): a block holds
+// one token row, each thread kVecsPerThread 16-byte vectors of it in registers (vector i of
+// thread t is element vector t + i * blockDim.x of the row).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/team_state.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/launch.cuh"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+
+namespace tpfuse::impl {
+
+template <int kVecsPerThread>
+__device__ __forceinline__ bool owns(int i, int64_t vectors) {
+  return threadIdx.x + int64_t(i) * blockDim.x < vectors;
+}
+__device__ __forceinline__ int64_t owned(int i) {
+  return threadIdx.x + int64_t(i) * blockDim.x;
+}
+
+// Loads this thread's vectors of row `row` of `base` (nothing where the thread owns none).
+template <int kVecsPerThread>
+__device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t vectors,
+                                         Vec16 (&out)[kVecsPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    if (owns<kVecsPerThread>(i, vectors)) out[i] = load_vector(base, row + owned(i));
+  }
+}
+
+// Polls this thread's vectors of a row at `address` (vector index 0 of the row) in each of the
+// `world` sender regions `sender_stride` bytes apart, and sums them in rank order in fp32.
+template <typename T, int kWorldSize, int kVecsPerThread>
+__device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
+                                            const Vec16* address, size_t sender_stride,
+                                            int world, int64_t vectors, const OneShotParams& p) {
+  ControlBlock* const control = p.control;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    if (!owns<kVecsPerThread>(i, vectors)) continue;
+    const Vec16* vector = address + owned(i);
+    const auto sender_address = [&](int r) {
+      return reinterpret_cast<const Vec16*>(reinterpret_cast<const char*>(vector) +
+                                            r * sender_stride);
+    };
+    if constexpr (kWorldSize > 0) {
+      // All W loads in flight before the first use.
+      Vec16 packets[kWorldSize];
+#pragma unroll
+      for (int r = 0; r < kWorldSize; ++r) packets[r] = load_packet(sender_address(r));
+#pragma unroll
+      for (int r = 0; r < kWorldSize; ++r) {
+        if (!has_arrived(packets[r])) {
+          packets[r] =
+              wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag, r);
+        }
+      }
+      accumulate_first<T>(acc[i], packets[0]);
+#pragma unroll
+      for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
+    } else {
+      for (int r = 0; r < world; ++r) {
+        Vec16 packet = load_packet(sender_address(r));
+        if (!has_arrived(packet)) {
+          packet = wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag,
+                                   r);
+        }
+        if (r == 0) {
+          accumulate_first<T>(acc[i], packet);
+        } else {
+          accumulate<T>(acc[i], packet);
+        }
+      }
+    }
+  }
+}
+
+// The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual
+// and gamma vectors were loaded earlier, while the packets were in flight. on_rounded(i, vector)
+// sees each rounded output vector (residual_out's, or out's for kSum): the two-shot owner sends
+// it to its peers there.
+template <typename T, int kVecsPerThread, Epilogue kEpilogue, typename OnRounded>
+__device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
+                                           const Vec16 (&residual)[kVecsPerThread],
+                                           const Vec16 (&gamma)[kVecsPerThread],
+                                           const OneShotParams& p, int64_t token, int64_t vectors,
+                                           float* shared_sums, OnRounded&& on_rounded) {
+  const int64_t row = token * vectors;
+  if constexpr (kEpilogue == Epilogue::kSum) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) {
+        const Vec16 out = round_output<T>(acc[i]);
+        store_vector(p.norm_out, row + owned(i), out);
+        on_rounded(i, out);
+      }
+    }
+  } else {
+    constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) {
+        const Vec16 rounded = residual_round<T, kHasResidual>(acc[i], residual[i], sum_squares);
+        if (p.residual_out != nullptr) store_vector(p.residual_out, row + owned(i), rounded);
+        on_rounded(i, rounded);
+      }
+    }
+    const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) {
+        store_vector(p.norm_out, row + owned(i), normalize<T>(acc[i], gamma[i], scale));
+      }
+    }
+  }
+}
+
+struct NoSend {
+  __device__ __forceinline__ void operator()(int, const Vec16&) const {}
+};
+
+// The grid of a collective kernel: at most what is resident at once (its blocks poll for
+// packets that other blocks of the peers' grids send), at most `work` blocks.
+template <typename Kernel>
+int collective_blocks(const TeamState& team, Kernel kernel, int threads, int64_t work) {
+  const int resident =
+      team.multiprocessors * resident_blocks_per_multiprocessor(kernel, threads, 0);
+  return int(std::max<int64_t>(1, std::min<int64_t>(work, resident)));
+}
+
+template <typename Fn>
+void dispatch_epilogue(Epilogue epilogue, Fn&& fn) {
+  switch (epilogue) {
+    case Epilogue::kSum:
+      return fn(std::integral_constant<Epilogue, Epilogue::kSum>{});
+    case Epilogue::kRmsNorm:
+      return fn(std::integral_constant<Epilogue, Epilogue::kRmsNorm>{});
+    case Epilogue::kAddRmsNorm:
+      return fn(std::integral_constant<Epilogue, Epilogue::kAddRmsNorm>{});
+  }
+}
+
+// The compile-time parameters of one row kernel instantiation.
+template <typename Type, int kWorldSize, Epilogue kEpilogueValue, int kVecsValue>
+struct RowKernelTag {
+  using T = Type;
+  static constexpr int kWorld = kWorldSize;
+  static constexpr Epilogue kEpilogue = kEpilogueValue;
+  static constexpr int kVecs = kVecsValue;
+};
+
+// Binds dtype, world size, epilogue and vectors per thread, and calls fn(RowKernelTag<...>{}).
+// Shapes launch_shape never picks (a narrower one would do) are not instantiated.
+template <typename Fn>
+void dispatch_row_kernel(DType dtype, int world_size, Epilogue epilogue, const LaunchShape& shape,
+                         Fn&& fn) {
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    // std::decay_t: inside nested generic lambdas of a template, g++ sees a captured tag's
+    // decltype as a reference.
+    using T = typename std::decay_t<decltype(type_tag)>::type;
+    dispatch_world_size(world_size, [&](auto world_tag) {
+      constexpr int kWorld = std::decay_t<decltype(world_tag)>::value;
+      dispatch_epilogue(epilogue, [&](auto epilogue_tag) {
+        constexpr Epilogue kEpilogue = std::decay_t<decltype(epilogue_tag)>::value;
+        dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
+          constexpr int kVecs = std::decay_t<decltype(vecs_tag)>::value;
+          if constexpr (kVecs > 1 &&
+                        (kVecs / 2) * Packed<T>::kElements * kMaxThreads >= kMaxHidden) {
+            TPF_FAIL("no launch shape with " << kVecs << " vectors per thread");  // never chosen
+          } else {
+            fn(RowKernelTag<T, kWorld, kEpilogue, kVecs>{});
+          }
+        });
+      });
+    });
+  });
+}
+
+}  // namespace tpfuse::impl

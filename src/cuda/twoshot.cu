@@ -1,0 +1,159 @@
+// The two-shot fused all-reduce kernel: reduce-scatter by whole tokens, the epilogue on the owned
+// tokens, all-gather of the rounded rows, every rank finishing the rows it receives. One launch
+// per call and rank; the layout is tpfuse/impl/lamport.h's (same slots, sentinel and clearing as
+// one-shot, so the two may alternate from call to call).
+//
+//   [before griddepcontrol.wait]  nothing that reads or writes memory (as in one-shot).
+//   1. thread 0 reads the slot index, the bytes to clear and the error word.
+//   2. scatter: each block stores input rows (sentinel words rewritten) into the slot of the
+//      rank that owns their token, sender index `rank`, rows [0, per).
+//   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
+//      call's slot: as in one-shot, for the same reasons (src/cuda/oneshot.cu).
+//   4. owned rows: poll the W senders' rows, sum in rank order in fp32, residual add, one
+//      rounding (canonical zeros), residual_out and norm_out; each rounded vector also goes to
+//      every other rank's slot, sender index `rank`, rows [per, 2 per).
+//   5. gathered rows: poll the rounded rows other ranks own and finish them as their owner did
+//      (residual_out as received; the norm from it with the same block shape and reduction).
+//
+// Batch invariance: a token's rank sum, rounding and block reduction are those of the one-shot
+// kernel with the same launch shape (which depends on hidden and dtype only), so one-shot and
+// two-shot give the same bits for every token. Deadlock freedom: step 4 waits only on step 2 of
+// the peers, step 5 only on step 4 of the owners, and every block of a grid is resident (the grid
+// is sized by occupancy), so every store that is waited on is eventually made.
+#include <cuda_runtime.h>
+
+#include "common/error.h"
+#include "common/team_state.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/rows.cuh"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse::impl {
+namespace {
+
+template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParams p) {
+  constexpr int kElements = Packed<T>::kElements;
+  constexpr bool kNorm = kEpilogue != Epilogue::kSum;
+  constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
+  // Rows received rounded are finished without a residual add (kSum stays kSum).
+  constexpr Epilogue kGathered = kNorm ? Epilogue::kRmsNorm : Epilogue::kSum;
+  ControlBlock* const control = p.control;
+  const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
+  const int64_t vectors = p.hidden / kElements;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+  const TwoShotLayout layout(p.tokens, world);
+  __shared__ float shared_sums[33];
+  __shared__ uint32_t shared_slot;
+  __shared__ uint64_t shared_clear_bytes;
+  __shared__ uint32_t shared_failed;
+
+  grid_dependency_wait();
+
+  // 1.
+  if (threadIdx.x == 0) {
+    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
+    shared_slot = slot;
+    shared_clear_bytes =
+        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
+    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
+  }
+  __syncthreads();
+  if (shared_failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
+  const uint32_t slot = shared_slot;
+  const size_t my_sender_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
+
+  // 2. Scatter.
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 input[kVecsPerThread];
+    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    const int owner = layout.owner(token);
+    Vec16* destination = reinterpret_cast<Vec16*>(
+        p.workspace[owner] + my_sender_offset +
+        layout.scatter_row(token - layout.begin(owner), row_bytes));
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) {
+        store_packet(destination + owned(i), rewrite_sentinel(input[i]));
+      }
+    }
+  }
+
+  // 3.
+  if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
+  launch_dependents();
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes);
+
+  Vec16 gamma[kVecsPerThread];
+  if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
+  const char* my_slot = p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes);
+
+  // 4. Owned rows.
+  const int64_t own_begin = layout.begin(p.rank);
+  const int64_t own_count = layout.count(p.rank);
+  for (int64_t local = blockIdx.x; local < own_count; local += gridDim.x) {
+    const int64_t token = own_begin + local;
+    Vec16 residual[kVecsPerThread];
+    if constexpr (kHasResidual)
+      load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
+    float acc[kVecsPerThread][kElements];
+    receive_row<T, kWorldSize, kVecsPerThread>(
+        acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
+        p.packet_bytes, world, vectors, p);
+    const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
+    finish_row<T, kVecsPerThread, kEpilogue>(
+        acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
+#pragma unroll
+          for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+            if (kWorldSize == 0 && r >= world) break;
+            if (r == p.rank) continue;
+            store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + gather_offset) + owned(i),
+                         rounded);
+          }
+        });
+  }
+
+  // 5. Gathered rows: the tokens before and after this rank's own range.
+  const int64_t others = p.tokens - own_count;
+  for (int64_t index = blockIdx.x; index < others; index += gridDim.x) {
+    const int64_t token = index < own_begin ? index : index + own_count;
+    const int owner = layout.owner(token);
+    const Vec16* address = reinterpret_cast<const Vec16*>(
+        my_slot + size_t(owner) * p.packet_bytes +
+        layout.gather_row(token - layout.begin(owner), row_bytes));
+    float acc[kVecsPerThread][kElements];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (!owns<kVecsPerThread>(i, vectors)) continue;
+      Vec16 packet = load_packet(address + owned(i));
+      if (!has_arrived(packet)) {
+        packet = wait_for_packet(address + owned(i), p.timeout_ns, &control->error, p.error_flag,
+                                 owner);
+      }
+      accumulate_first<T>(acc[i], packet);
+    }
+    Vec16 no_residual[kVecsPerThread];
+    finish_row<T, kVecsPerThread, kGathered>(acc, no_residual, gamma, p, token, vectors,
+                                             shared_sums, NoSend{});
+  }
+}
+
+}  // namespace
+
+void cuda_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
+                  Epilogue epilogue, cudaStream_t stream) {
+  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
+  DeviceGuard guard(team.device);
+  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
+  dispatch_row_kernel(dtype, params.world_size, epilogue, shape, [&](auto kernel_tag) {
+    using Tag = decltype(kernel_tag);
+    const auto kernel = twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
+    launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
+           stream, params);
+  });
+}
+
+}  // namespace tpfuse::impl
