@@ -35,8 +35,8 @@ __global__ void handshake_kernel(const HandshakeParams p) {
                                                       size_t(p.rank) * 16);
     *slot = handshake_word(p.rank, peer);
   }
-  auto* mine = reinterpret_cast<volatile uint32_t*>(p.workspace[p.rank] + p.area_offset +
-                                                    size_t(peer) * 16);
+  auto* mine =
+      reinterpret_cast<volatile uint32_t*>(p.workspace[p.rank] + p.area_offset + size_t(peer) * 16);
   const uint32_t expected = handshake_word(peer, p.rank);
   const uint64_t deadline = global_timer_ns() + p.timeout_ns;
   uint32_t arrived = 0;
@@ -60,7 +60,8 @@ int drop_receiver_for(int rank) {
   char separator = 0;
   std::istringstream in(value);
   in >> sender >> separator >> receiver;
-  if (!in || separator != '>') TPF_FAIL("TPFUSE_TEST_HANDSHAKE_DROP must read 's>r', got " << value);
+  if (!in || separator != '>')
+    TPF_FAIL("TPFUSE_TEST_HANDSHAKE_DROP must read 's>r', got " << value);
   return sender == rank ? receiver : -1;
 }
 
@@ -106,8 +107,8 @@ std::string handshake_verdict(const uint32_t* masks, int world, double timeout_s
     for (int sender = 0; sender < world; ++sender) {
       if ((masks[receiver] >> sender & 1u) == 0) {
         std::ostringstream out;
-        out << "the creation handshake failed: rank " << receiver << " did not see rank "
-            << sender << "'s store within " << timeout_seconds
+        out << "the creation handshake failed: rank " << receiver << " did not see rank " << sender
+            << "'s store within " << timeout_seconds
             << " s (peer stores do not arrive; P2P off or broken?)";
         return out.str();
       }

@@ -3,7 +3,8 @@
 // epilogue kernels).
 //
 // Peer memory of a multi-process team (TeamOptions::peer_memory):
-//   * NCCL symmetric window (kAuto's choice when every rank's NCCL is 2.28 or newer): ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC); each peer's
+//   * NCCL symmetric window (kAuto's choice when every rank's NCCL is 2.28 or newer): ncclMemAlloc
+//   + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC); each peer's
 //     address comes from the NCCL device API (ncclGetLsaPointer, read once by a small kernel at
 //     creation and then passed to the kernels as plain pointers). NCCL maps the peers' memory,
 //     knows which ranks share load/store memory (its LSA team) and frees it all with the
@@ -92,7 +93,8 @@ struct NcclTeamMemory : TeamMemory {
 #if TPFUSE_NCCL_WINDOWS
     if (window != nullptr) ncclCommWindowDeregister(comm, window);
 #endif
-    if (workspace != nullptr) window_memory ? (void)ncclMemFree(workspace) : (void)cudaFree(workspace);
+    if (workspace != nullptr)
+      window_memory ? (void)ncclMemFree(workspace) : (void)cudaFree(workspace);
     for (void* pointer : device_allocations) cudaFree(pointer);
     if (host_flags != nullptr) cudaFreeHost(host_flags);
     if (owns_comm && comm != nullptr) ncclCommDestroy(comm);
@@ -103,8 +105,8 @@ struct NcclTeamMemory : TeamMemory {
 // All-gathers one 64-bit word per rank through NCCL (device scratch `exchange`, [world]).
 std::vector<uint64_t> all_gather_words(ncclComm_t comm, uint64_t* exchange, int world, int rank,
                                        uint64_t word, cudaStream_t stream) {
-  TPF_CHECK_CUDA(cudaMemcpyAsync(exchange + rank, &word, sizeof(word), cudaMemcpyHostToDevice,
-                                 stream));
+  TPF_CHECK_CUDA(
+      cudaMemcpyAsync(exchange + rank, &word, sizeof(word), cudaMemcpyHostToDevice, stream));
   TPF_CHECK_NCCL(ncclAllGather(exchange + rank, exchange, 1, ncclUint64, comm, stream));
   std::vector<uint64_t> words(world);
   TPF_CHECK_CUDA(cudaMemcpyAsync(words.data(), exchange, sizeof(uint64_t) * world,
@@ -128,6 +130,27 @@ bool windows_supported() {
 std::vector<void*> create_in_process_comms(const std::vector<int>& devices) {
   std::vector<ncclComm_t> comms(devices.size());
   TPF_CHECK_NCCL(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
+  // One grouped all-reduce now: NCCL connects its ranks lazily, in the first collective, and a
+  // first collective made rank by rank from one host thread would wait forever for the others.
+  std::vector<float*> scratch(devices.size());
+  int previous = 0;
+  TPF_CHECK_CUDA(cudaGetDevice(&previous));
+  for (size_t r = 0; r < devices.size(); ++r) {
+    TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+    TPF_CHECK_CUDA(cudaMalloc(&scratch[r], 64));
+  }
+  TPF_CHECK_NCCL(ncclGroupStart());
+  for (size_t r = 0; r < devices.size(); ++r) {
+    TPF_CHECK_NCCL(
+        ncclAllReduce(scratch[r], scratch[r], 16, ncclFloat32, ncclSum, comms[r], nullptr));
+  }
+  TPF_CHECK_NCCL(ncclGroupEnd());
+  for (size_t r = 0; r < devices.size(); ++r) {
+    TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+    TPF_CHECK_CUDA(cudaDeviceSynchronize());
+    TPF_CHECK_CUDA(cudaFree(scratch[r]));
+  }
+  TPF_CHECK_CUDA(cudaSetDevice(previous));
   return std::vector<void*>(comms.begin(), comms.end());
 }
 
@@ -192,9 +215,9 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
   TPF_CHECK_NCCL(ncclCommCount(comm, &world));
   TPF_CHECK_NCCL(ncclCommUserRank(comm, &rank));
   TPF_CHECK_NCCL(ncclCommCuDevice(comm, &device));
-  TPF_CHECK_ARG(world >= 1 && world <= kMaxWorldSize, op,
-                "the communicator has " << world << " ranks; at most " << kMaxWorldSize
-                                        << " are supported");
+  TPF_CHECK_ARG(
+      world >= 1 && world <= kMaxWorldSize, op,
+      "the communicator has " << world << " ranks; at most " << kMaxWorldSize << " are supported");
   impl::DeviceGuard guard(device);
   auto memory = std::make_shared<impl::NcclTeamMemory>();
   memory->device = device;
@@ -234,8 +257,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
     // The same choice on every rank: windows only where every rank supports them.
     PeerMemory method = options.peer_memory;
     if (method == PeerMemory::kAuto) {
-      const auto support = impl::all_gather_words(comm, exchange, world, rank,
-                                                  impl::windows_supported(), stream);
+      const auto support =
+          impl::all_gather_words(comm, exchange, world, rank, impl::windows_supported(), stream);
       bool all = true;
       for (uint64_t word : support) all = all && word != 0;
       method = all ? PeerMemory::kNcclWindow : PeerMemory::kCudaIpc;
@@ -279,8 +302,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
       TPF_CHECK_NCCL(ncclAllGather(reinterpret_cast<char*>(handles) + 64 * rank, handles, 64,
                                    ncclUint8, comm, stream));
       std::vector<cudaIpcMemHandle_t> all(world);
-      TPF_CHECK_CUDA(cudaMemcpyAsync(all.data(), handles, 64 * size_t(world),
-                                     cudaMemcpyDeviceToHost, stream));
+      TPF_CHECK_CUDA(
+          cudaMemcpyAsync(all.data(), handles, 64 * size_t(world), cudaMemcpyDeviceToHost, stream));
       TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
       std::string open_error;
       for (int r = 0; r < world; ++r) {
@@ -295,8 +318,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
           cudaGetLastError();
           if (open_error.empty()) {
             open_error = "rank " + std::to_string(rank) + " could not map rank " +
-                         std::to_string(r) + "'s memory (cudaIpcOpenMemHandle: " +
-                         cudaGetErrorString(status) + ")";
+                         std::to_string(r) +
+                         "'s memory (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) + ")";
           }
           continue;
         }
@@ -326,7 +349,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
     // peer has filled the workspace.
     impl::all_gather_words(comm, exchange, world, rank, 0, stream);
     if (world > 1) {
-      impl::launch_handshake(workspace, rank, world, impl::workspace_bytes(world, options.packet_bytes),
+      impl::launch_handshake(workspace, rank, world,
+                             impl::workspace_bytes(world, options.packet_bytes),
                              uint64_t(options.handshake_timeout_seconds * 1e9), arrived, stream);
       TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
       const auto masks = impl::all_gather_words(comm, exchange, world, rank,

@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -67,9 +70,26 @@ class CudaHarness : public Harness {
     enqueue(call);
     synchronize();
   }
-  // One host thread queues every rank's work; the kernels of different GPUs run concurrently.
+  // A host thread per rank queues that rank's work, as a thread or process per GPU does in
+  // serving (the NCCL path needs it: NCCL calls of several ranks from one thread must be
+  // grouped). Rethrows the first exception.
   void enqueue(const std::function<void(int, cudaStream_t)>& call) override {
-    for (int r = 0; r < world_size(); ++r) call(r, streams_[r]);
+    std::vector<std::thread> threads;
+    std::exception_ptr first_error;
+    std::mutex mutex;
+    for (int r = 0; r < world_size(); ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          check_cuda(cudaSetDevice(r), "cudaSetDevice");
+          call(r, streams_[r]);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!first_error) first_error = std::current_exception();
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+    if (first_error) std::rethrow_exception(first_error);
   }
   void synchronize() override {
     for (int r = 0; r < world_size(); ++r) {

@@ -239,7 +239,8 @@ TEST(MultiProcess, CudaGraphReplaysOnFreshInputs) {
     res_a.upload(da.residuals[w.rank]);
     in_b.upload(db.inputs[w.rank]);
     res_b.upload(db.residuals[w.rank]);
-    const HostTensor poison_a = poisoned(a.dtype, bytes_a / 2), poison_b = poisoned(b.dtype, bytes_b / 2);
+    const HostTensor poison_a = poisoned(a.dtype, bytes_a / 2),
+                     poison_b = poisoned(b.dtype, bytes_b / 2);
     nout_a.upload(poison_a);
     nout_b.upload(poison_b);
     CHECK_CUDA(cudaGraphLaunch(exec, w.stream));

@@ -42,6 +42,18 @@ TEST_F(GpuOneShot, BackToBackCallsUnderPdlWithAlternatingScales) {
   check_consecutive_calls(harness, 14, 3000, 32, 1024);
 }
 
+TEST_F(GpuOneShot, BackToBackOneShotOnly) {
+  CudaHarness harness(gpus());
+  harness.algorithm = Algorithm::kOneShot;
+  check_consecutive_calls(harness, 24, 1000, 32, 1024);
+}
+
+TEST_F(GpuOneShot, BackToBackTwoShotOnly) {
+  CudaHarness harness(gpus());
+  harness.algorithm = Algorithm::kTwoShot;
+  check_consecutive_calls(harness, 25, 1000, 32, 1024);
+}
+
 TEST_F(GpuOneShot, WorldSizesBelowAllGpus) {
   for (int world = 2; world < gpus(); ++world) {
     CudaHarness harness(world);
