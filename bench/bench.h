@@ -68,6 +68,7 @@ struct Record {
   std::optional<int64_t> bytes;       // bandwidth floors only
   std::optional<bool> pdl;            // tpfuse kernels on the GPU: programmatic dependent launch on
   std::string method;                 // empty: the run's method (RunInfo::method)
+  std::string chosen;                 // tpfuse_auto: the algorithm the selector chose
 };
 
 // What is the same for every record of a run. Empty strings are left out of the JSON.

@@ -42,7 +42,7 @@ BenchPlan make_plan(const Options& options, const Team& team, int64_t default_ma
   plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : default_ops_per_graph;
   plan.replays = options.replays > 0 ? options.replays : default_replays;
   for (const int64_t hidden : options.hiddens) {
-    const int64_t max_tokens = team.max_tokens(hidden, options.dtype);
+    const int64_t max_tokens = team.max_tokens(hidden, options.dtype, Algorithm::kAuto);
     std::vector<int64_t> tokens =
         tokens_for_hidden(options, hidden, max_tokens, default_max_tokens);
     if (tokens.empty()) continue;

@@ -372,13 +372,27 @@ void run_rank(GpuRank& gpu, RankBarrier& barrier, const GpuPlan& plan,
         progress += text;
       };
 
-      // The fused op: all-reduce + residual add + RMSNorm in one tpfuse kernel per rank.
-      double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        allreduce_add_rmsnorm(team, fused_args(set, gpu.gamma(), hidden, tokens, dtype), stream);
-      });
-      team.check();
-      note("tpfuse_oneshot",
-           add("allreduce_add_rmsnorm", "tpfuse_oneshot", hidden, tokens, world_size, us, true));
+      // The fused op, each algorithm forced where it carries the message, then the selector's
+      // choice ("tpfuse_auto", with what it chose).
+      double us = 0;
+      for (const Algorithm algorithm :
+           {Algorithm::kOneShot, Algorithm::kTwoShot, Algorithm::kNccl, Algorithm::kAuto}) {
+        if (tokens > team.max_tokens(hidden, dtype, algorithm)) continue;
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.algorithm = algorithm;
+          allreduce_add_rmsnorm(team, args, stream);
+        });
+        team.check();
+        static const char* const kImpl[] = {"tpfuse_auto", "tpfuse_oneshot", "tpfuse_twoshot",
+                                            "tpfuse_nccl"};
+        const char* impl = kImpl[int(algorithm)];
+        add("allreduce_add_rmsnorm", impl, hidden, tokens, world_size, us, true);
+        if (algorithm == Algorithm::kAuto) {
+          records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
+        }
+        note(impl + 7, us);
+      }
 
 #if TPFUSE_BENCH_NCCL
       // The honest baseline: NCCL all-reduce, then the local fused add + RMSNorm kernel, as an

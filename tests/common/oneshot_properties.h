@@ -92,13 +92,22 @@ class OneShotRunner {
       }
     }
     std::vector<Algorithm> ran(specs.size());
-    harness_.enqueue([&](int rank, cudaStream_t stream) {
+    try {
+      harness_.enqueue([&](int rank, cudaStream_t stream) {
+        for (size_t c = 0; c < specs.size(); ++c) {
+          const Algorithm algorithm = call(specs[c], buffers[c][rank], rank, stream);
+          if (rank == 0) ran[c] = algorithm;
+        }
+      });
+      harness_.synchronize();
+    } catch (...) {
+      // Which calls were in flight: the first thing to know about a hang or a lost packet.
       for (size_t c = 0; c < specs.size(); ++c) {
-        const Algorithm algorithm = call(specs[c], buffers[c][rank], rank, stream);
-        if (rank == 0) ran[c] = algorithm;
+        ADD_FAILURE() << "in flight when it failed: call " << c << ": " << describe(specs[c])
+                      << " ran " << algorithm_name(ran[c]);
       }
-    });
-    harness_.synchronize();
+      throw;
+    }
     std::vector<CaseResult> results(specs.size());
     for (size_t c = 0; c < specs.size(); ++c) {
       const CaseSpec& spec = specs[c];
