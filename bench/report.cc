@@ -114,7 +114,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
     if (record.gbps) object.add_number("GBps", *record.gbps);
     if (record.bytes) object.add_integer("bytes", *record.bytes);
     if (record.pdl) object.add("pdl", *record.pdl ? "true" : "false");
-    if (!record.chosen.empty()) object.add("chosen", record.chosen);
+    object.add_string("chosen", record.chosen);
     object.add_string("gpu", info.gpu);
     object.add_string("host_cpu", info.host_cpu);
     object.add_string("driver", info.driver);

@@ -177,6 +177,11 @@ void cuda_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType 
                        cudaStream_t stream);
 void cuda_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue,
                          cudaStream_t stream);
+// Loads every kernel a team of this world size may launch, on the current device (see
+// preload in cuda/launch.cuh: lazy loading can deadlock spinning kernels).
+void cuda_preload_kernels(int world_size);
+void cuda_preload_twoshot_kernels(int world_size);
+void cuda_preload_qk_kernels(int world_size);
 void cuda_check(const TeamState& team);
 void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
                         const char* op);

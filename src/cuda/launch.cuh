@@ -69,6 +69,16 @@ int resident_blocks_per_multiprocessor(Kernel kernel, int threads, size_t shared
   return blocks;
 }
 
+// Loads a kernel's code now. CUDA loads kernels lazily, at their first launch, and such a load
+// can wait for the device to go idle: if a kernel of this rank is spinning on a peer whose host
+// thread is in turn blocked loading a kernel, neither moves (seen on an H200 pair when one-shot
+// and two-shot first met back to back). Teams preload every kernel they may launch at creation.
+template <typename Kernel>
+void preload(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  TPF_CHECK_CUDA(cudaFuncGetAttributes(&attributes, kernel));
+}
+
 inline bool pdl_enabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("TPFUSE_DISABLE_PDL");

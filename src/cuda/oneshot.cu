@@ -168,6 +168,20 @@ void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtyp
   });
 }
 
+void cuda_preload_kernels(int world_size) {
+  for_each_row_kernel([&](DType dtype, Epilogue epilogue, const LaunchShape& shape) {
+    dispatch_row_kernel(dtype, world_size, epilogue, shape, [&](auto kernel_tag) {
+      using Tag = decltype(kernel_tag);
+      preload(oneshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>);
+      if constexpr (Tag::kEpilogue != Epilogue::kSum) {
+        preload(local_epilogue_kernel<typename Tag::T, Tag::kEpilogue, Tag::kVecs>);
+      }
+    });
+  });
+  cuda_preload_twoshot_kernels(world_size);
+  cuda_preload_qk_kernels(world_size);
+}
+
 void cuda_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue,
                          cudaStream_t stream) {
   const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));

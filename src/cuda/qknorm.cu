@@ -214,6 +214,27 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
   });
 }
 
+void cuda_preload_qk_kernels(int world_size) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    dispatch_dtype(dtype, [&](auto type_tag) {
+      using T = typename decltype(type_tag)::type;
+      dispatch_world_size(world_size, [&](auto world_tag) {
+        constexpr int kWorld = decltype(world_tag)::value;
+        for (int vecs : {1, 2, 4, 8}) {
+          dispatch_vecs(vecs, [&](auto vecs_tag) {
+            constexpr int kVecs = decltype(vecs_tag)::value;
+            preload(qk_rmsnorm_kernel<T, kWorld, kVecs, false, QkPass::kFused>);
+            preload(qk_rmsnorm_kernel<T, kWorld, kVecs, true, QkPass::kFused>);
+            preload(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kSums>);
+            preload(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kNormFromSums>);
+            preload(qk_rmsnorm_kernel<T, 1, kVecs, true, QkPass::kNormFromSums>);
+          });
+        }
+      });
+    });
+  }
+}
+
 void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const bool rope = pass == QkPass::kNormFromSums && params.rope != 0;

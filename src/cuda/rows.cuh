@@ -39,8 +39,8 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
 // `world` sender regions `sender_stride` bytes apart, and sums them in rank order in fp32.
 template <typename T, int kWorldSize, int kVecsPerThread>
 __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
-                                            const Vec16* address, size_t sender_stride,
-                                            int world, int64_t vectors, const OneShotParams& p) {
+                                            const Vec16* address, size_t sender_stride, int world,
+                                            int64_t vectors, const OneShotParams& p) {
   ControlBlock* const control = p.control;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
@@ -69,8 +69,8 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       for (int r = 0; r < world; ++r) {
         Vec16 packet = load_packet(sender_address(r));
         if (!has_arrived(packet)) {
-          packet = wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag,
-                                   r);
+          packet =
+              wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag, r);
         }
         if (r == 0) {
           accumulate_first<T>(acc[i], packet);
@@ -156,6 +156,24 @@ struct RowKernelTag {
   static constexpr Epilogue kEpilogue = kEpilogueValue;
   static constexpr int kVecs = kVecsValue;
 };
+
+// Whether a row kernel with kVecs vectors per thread exists for elements of `element_size` bytes
+// (launch_shape never picks a shape a narrower one would do).
+constexpr bool row_shape_exists(size_t element_size, int vecs) {
+  return !(vecs > 1 && int64_t(vecs / 2) * int64_t(16 / element_size) * kMaxThreads >= kMaxHidden);
+}
+
+// Calls fn(dtype, epilogue, shape) for every row kernel instantiation of a world size.
+template <typename Fn>
+void for_each_row_kernel(Fn&& fn) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Epilogue epilogue : {Epilogue::kSum, Epilogue::kRmsNorm, Epilogue::kAddRmsNorm}) {
+      for (int vecs : {1, 2, 4, 8}) {
+        if (row_shape_exists(dtype_size(dtype), vecs)) fn(dtype, epilogue, LaunchShape{vecs, 32});
+      }
+    }
+  }
+}
 
 // Binds dtype, world size, epilogue and vectors per thread, and calls fn(RowKernelTag<...>{}).
 // Shapes launch_shape never picks (a narrower one would do) are not instantiated.

@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
     Vec16 input[kVecsPerThread];
     load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
     const int owner = layout.owner(token);
-    Vec16* destination = reinterpret_cast<Vec16*>(
-        p.workspace[owner] + my_sender_offset +
-        layout.scatter_row(token - layout.begin(owner), row_bytes));
+    Vec16* destination =
+        reinterpret_cast<Vec16*>(p.workspace[owner] + my_sender_offset +
+                                 layout.scatter_row(token - layout.begin(owner), row_bytes));
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
@@ -121,17 +121,17 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   for (int64_t index = blockIdx.x; index < others; index += gridDim.x) {
     const int64_t token = index < own_begin ? index : index + own_count;
     const int owner = layout.owner(token);
-    const Vec16* address = reinterpret_cast<const Vec16*>(
-        my_slot + size_t(owner) * p.packet_bytes +
-        layout.gather_row(token - layout.begin(owner), row_bytes));
+    const Vec16* address =
+        reinterpret_cast<const Vec16*>(my_slot + size_t(owner) * p.packet_bytes +
+                                       layout.gather_row(token - layout.begin(owner), row_bytes));
     float acc[kVecsPerThread][kElements];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (!owns<kVecsPerThread>(i, vectors)) continue;
       Vec16 packet = load_packet(address + owned(i));
       if (!has_arrived(packet)) {
-        packet = wait_for_packet(address + owned(i), p.timeout_ns, &control->error, p.error_flag,
-                                 owner);
+        packet =
+            wait_for_packet(address + owned(i), p.timeout_ns, &control->error, p.error_flag, owner);
       }
       accumulate_first<T>(acc[i], packet);
     }
@@ -153,6 +153,15 @@ void cuda_twoshot(const TeamState& team, const OneShotParams& params, DType dtyp
     const auto kernel = twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
     launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
            stream, params);
+  });
+}
+
+void cuda_preload_twoshot_kernels(int world_size) {
+  for_each_row_kernel([&](DType dtype, Epilogue epilogue, const LaunchShape& shape) {
+    dispatch_row_kernel(dtype, world_size, epilogue, shape, [&](auto kernel_tag) {
+      using Tag = decltype(kernel_tag);
+      preload(twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>);
+    });
   });
 }
 

@@ -208,6 +208,7 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     }
     TPF_CHECK_CUDA(
         cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount, devices[r]));
+    impl::cuda_preload_kernels(world_size);
     TPF_CHECK_CUDA(cudaDeviceSynchronize());
   }
   if (peer_stores && world_size > 1) {

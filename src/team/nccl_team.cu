@@ -359,6 +359,7 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
       reason = impl::handshake_verdict(narrow.data(), world, options.handshake_timeout_seconds);
     }
   }
+  impl::cuda_preload_kernels(world);
   float* qk_sums = nullptr;
   TPF_CHECK_CUDA(cudaMalloc(&qk_sums, options.packet_bytes));
   memory->device_allocations.push_back(qk_sums);

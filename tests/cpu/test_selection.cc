@@ -40,11 +40,13 @@ TEST(SelectionTable, ParsesRowsCommentsAndWildcards) {
 TEST(SelectionTable, MalformedRowsAreNamedByLine) {
   EXPECT_NE(error_of([] { impl::parse_selection_table("a,b,c\n", "t"); }).find("line 1"),
             std::string::npos);
-  EXPECT_NE(error_of([] { impl::parse_selection_table("x,2,10,fastest\n", "t"); })
-                .find("algorithm not oneshot, twoshot or nccl"),
+  EXPECT_NE(error_of([] {
+              impl::parse_selection_table("x,2,10,fastest\n", "t");
+            }).find("algorithm not oneshot, twoshot or nccl"),
             std::string::npos);
-  EXPECT_NE(error_of([] { impl::parse_selection_table("#\nx,99,10,nccl\n", "t"); })
-                .find("line 2: world_size"),
+  EXPECT_NE(error_of([] {
+              impl::parse_selection_table("#\nx,99,10,nccl\n", "t");
+            }).find("line 2: world_size"),
             std::string::npos);
   EXPECT_NE(error_of([] { impl::parse_selection_table("x,2,-5,nccl\n", "t"); }).find("max_bytes"),
             std::string::npos);
@@ -53,8 +55,11 @@ TEST(SelectionTable, MalformedRowsAreNamedByLine) {
 TEST(SelectionTable, BuiltInTableMatchesDeviceWorldAndSize) {
   // data/algorithms.csv: measured rows for the H200 pair, defaults for the rest.
   EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, 6144), Algorithm::kOneShot);
-  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, 16u << 20), Algorithm::kOneShot);
-  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, (16u << 20) + 1), Algorithm::kNccl);
+  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, 1572864), Algorithm::kOneShot);
+  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, 1572864 + 1), Algorithm::kTwoShot);
+  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, 96u << 20), Algorithm::kTwoShot);
+  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 2, (96u << 20) + 1), Algorithm::kNccl);
+  EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 4, 6144), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 1024), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 64u << 20), Algorithm::kNccl);
 }
@@ -72,8 +77,9 @@ TEST(TeamChoose, FallsBackToWhatCarriesTheMessage) {
   EXPECT_EQ(team[0].choose(5000, 3072, DType::kBFloat16, Algorithm::kNccl), Algorithm::kNccl);
   EXPECT_EQ(team[0].max_tokens(3072, DType::kBFloat16, Algorithm::kOneShot), 170);
   EXPECT_EQ(team[0].max_tokens(3072, DType::kBFloat16, Algorithm::kTwoShot), 4 * 85);
-  EXPECT_NE(error_of([&] { team[0].choose(341, 3072, DType::kBFloat16, Algorithm::kTwoShot); })
-                .find("at most 340 tokens"),
+  EXPECT_NE(error_of([&] {
+              team[0].choose(341, 3072, DType::kBFloat16, Algorithm::kTwoShot);
+            }).find("at most 340 tokens"),
             std::string::npos);
   EXPECT_TRUE(team[0].fallback_reason().empty());
   EXPECT_EQ(team[0].peer_memory(), "host memory");
@@ -85,8 +91,9 @@ TEST(TeamChoose, TeamWithoutPeerStoresRunsEverythingThroughNccl) {
   const std::vector<Team> team = create_cpu_team(2, options);
   EXPECT_NE(team[0].fallback_reason().find("peer_stores is false"), std::string::npos);
   EXPECT_EQ(team[0].choose(1, 3072, DType::kBFloat16), Algorithm::kNccl);
-  EXPECT_NE(error_of([&] { team[0].choose(1, 3072, DType::kBFloat16, Algorithm::kOneShot); })
-                .find("needs peer stores"),
+  EXPECT_NE(error_of([&] {
+              team[0].choose(1, 3072, DType::kBFloat16, Algorithm::kOneShot);
+            }).find("needs peer stores"),
             std::string::npos);
   EXPECT_EQ(team[0].max_tokens(3072, DType::kBFloat16, Algorithm::kOneShot), 0);
 }
