@@ -20,11 +20,13 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,14 +46,16 @@ std::string kernel_driver_version() {
   const bool read = std::fgets(line, sizeof(line), file) != nullptr;
   std::fclose(file);
   if (!read) return "";
-  const std::string text(line);
-  const std::string marker = "Kernel Module";
-  size_t position = text.find(marker);
-  if (position == std::string::npos) return "";
-  position = text.find_first_not_of(" \t", position + marker.size());
-  if (position == std::string::npos) return "";
-  const size_t end = text.find_first_of(" \t\n", position);
-  return text.substr(position, end == std::string::npos ? std::string::npos : end - position);
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..." or "... Open Kernel Module
+  // for x86_64  580.159.04  ...": the first word after "Kernel Module" that starts with a digit.
+  std::istringstream words(std::string(line).substr(std::string(line).find("Kernel Module") + 1));
+  std::string word;
+  while (words >> word) {
+    if (std::isdigit(static_cast<unsigned char>(word[0])) && word.find('.') != std::string::npos) {
+      return word;
+    }
+  }
+  return "";
 }
 
 // Floors: the iterations and repeats the shared probes used, so figures stay comparable.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -101,10 +102,11 @@ class OneShotRunner {
       });
       harness_.synchronize();
     } catch (...) {
-      // Which calls were in flight: the first thing to know about a hang or a lost packet.
+      // Which calls were in flight: the first thing to know about a hang or a lost packet. (A
+      // printout, not a failure: some tests expect the throw.)
       for (size_t c = 0; c < specs.size(); ++c) {
-        ADD_FAILURE() << "in flight when it failed: call " << c << ": " << describe(specs[c])
-                      << " ran " << algorithm_name(ran[c]);
+        std::fprintf(stderr, "in flight when the batch threw: call %zu: %s, rank 0 ran %s\n", c,
+                     describe(specs[c]).c_str(), algorithm_name(ran[c]));
       }
       throw;
     }
