@@ -34,7 +34,13 @@ struct Options {
   std::string out_path;  // empty: bench/results/<device>-<date>-<commit>.json
   BackendChoice backend = BackendChoice::kAuto;
   size_t packet_bytes = size_t{16} << 20;
+  double peer_timeout_seconds = 10.0;  // TeamOptions::peer_timeout_seconds (0: unchecked)
+  bool processes = false;              // GPU mode: one process per GPU (create_nccl_team)
 };
+
+// In --processes mode the launcher starts one copy of the binary per GPU with these set; such a
+// copy measures and leaves its records in a file for the launcher, which writes the results.
+bool is_rank_process();
 
 // Defaults of the GPU mode.
 constexpr int kGpuOpsPerGraph = 20;
@@ -95,11 +101,19 @@ class BarrierAborted : public std::runtime_error {
 };
 
 // A reusable barrier for the rank threads (std::barrier is C++20).
-class RankBarrier {
+// Where every rank meets before each timed replay.
+class Barrier {
+ public:
+  virtual ~Barrier() = default;
+  virtual void arrive_and_wait() = 0;
+};
+
+// The rank threads of one process.
+class RankBarrier : public Barrier {
  public:
   explicit RankBarrier(int parties) : parties_(parties) {}
 
-  void arrive_and_wait() {
+  void arrive_and_wait() override {
     std::unique_lock<std::mutex> lock(mutex_);
     if (aborted_) throw BarrierAborted();
     const uint64_t generation = generation_;

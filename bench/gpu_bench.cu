@@ -13,17 +13,24 @@
 // exactly the same sequence below; a rank that only measures something local (the tpfuse_local
 // row) still takes part in every barrier.
 #include <cuda_runtime.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #if TPFUSE_BENCH_NCCL
 #include <nccl.h>
 #endif
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -34,6 +41,8 @@
 #include "bench.h"
 #include "common/error.h"
 #include "gpu_kernels.h"
+
+extern char** environ;
 
 namespace tpfuse::bench {
 namespace {
@@ -161,7 +170,7 @@ class GpuRank {
 
   // Median replay of a graph of `ops` calls of `enqueue` (buffer sets rotating), in µs per op.
   // Inactive ranks return NaN but take part in every barrier.
-  double measure(RankBarrier& barrier, const GpuPlan& plan, bool active,
+  double measure(Barrier& barrier, const GpuPlan& plan, bool active,
                  const std::function<void(const DeviceBufferSet&)>& enqueue) {
     if (active) {
       // One eager call first, outside the capture: NCCL sets up connections lazily at a comm's
@@ -342,8 +351,7 @@ AddRmsNormArgs fused_args(const DeviceBufferSet& set, const void* gamma, int64_t
 }
 
 // Everything one rank thread measures, in the one order every rank follows.
-void run_rank(GpuRank& gpu, RankBarrier& barrier, const GpuPlan& plan,
-              std::vector<Record>& records) {
+void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<Record>& records) {
   const Team& team = gpu.team();
   const int world_size = team.world_size();
   const bool is_rank0 = gpu.rank() == 0;
@@ -552,25 +560,10 @@ void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
 
 }  // namespace
 
-std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
-  const int device_count = cuda_device_count();
-  const int world_size =
-      options.world_size > 0 ? options.world_size : std::min(device_count, kGpuMaxDefaultWorld);
-  if (world_size < 1 || world_size > device_count) {
-    TPF_FAIL("--world " << world_size << " but this process sees " << device_count
-                        << " CUDA device(s)");
-  }
-  std::vector<int> devices(static_cast<size_t>(world_size));
-  for (int rank = 0; rank < world_size; ++rank) devices[size_t(rank)] = rank;
-  TeamOptions team_options;
-  team_options.packet_bytes = options.packet_bytes;
-  const std::vector<Team> team = create_cuda_team(devices, team_options);
+namespace {
 
-  GpuPlan plan;
-  static_cast<BenchPlan&>(plan) =
-      make_plan(options, team[0], kGpuMaxDefaultTokens, kGpuOpsPerGraph, kGpuReplays);
-  plan.pdl = tpfuse_pdl_enabled();
-
+// The run's device fields and method, from GPU 0.
+void fill_run_info(const GpuPlan& plan, bool processes, RunInfo& info) {
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
   int driver = 0;
@@ -587,11 +580,239 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
   info.ops_per_graph = plan.ops_per_graph;
   info.replays = plan.replays;
   info.method = "cuda-graph of " + std::to_string(plan.ops_per_graph) + " ops, median of " +
-                std::to_string(plan.replays) + " replays";
+                std::to_string(plan.replays) + " replays, " +
+                (processes ? "one process per GPU (create_nccl_team)"
+                           : "one process driving every GPU (create_cuda_team)");
+#if TPFUSE_BENCH_NCCL
+  info.nccl = nccl_version_string();
+#endif
+}
+
+TeamOptions team_options_of(const Options& options) {
+  TeamOptions team_options;
+  team_options.packet_bytes = options.packet_bytes;
+  team_options.peer_timeout_seconds = options.peer_timeout_seconds;
+  return team_options;
+}
+
+#if TPFUSE_BENCH_NCCL
+// --processes: ranks meet through an all-reduce of one word on their own stream.
+class NcclBarrier : public Barrier {
+ public:
+  explicit NcclBarrier(ncclComm_t comm) : comm_(comm) {
+    TPF_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    TPF_CHECK_CUDA(cudaMalloc(&word_, sizeof(int)));
+    TPF_CHECK_CUDA(cudaMemset(word_, 0, sizeof(int)));
+  }
+  ~NcclBarrier() override {
+    cudaStreamSynchronize(stream_);
+    cudaFree(word_);
+    cudaStreamDestroy(stream_);
+  }
+  void arrive_and_wait() override {
+    TPF_CHECK_NCCL(ncclAllReduce(word_, word_, 1, ncclInt32, ncclSum, comm_, stream_));
+    TPF_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+ private:
+  ncclComm_t comm_;
+  cudaStream_t stream_ = nullptr;
+  int* word_ = nullptr;
+};
+
+std::string to_hex(const void* data, size_t bytes) {
+  std::string hex;
+  char byte[3];
+  for (size_t i = 0; i < bytes; ++i) {
+    std::snprintf(byte, sizeof(byte), "%02x", static_cast<const unsigned char*>(data)[i]);
+    hex += byte;
+  }
+  return hex;
+}
+
+void from_hex(const char* hex, void* data, size_t bytes) {
+  if (hex == nullptr || std::strlen(hex) != 2 * bytes) TPF_FAIL("bad id in the environment");
+  for (size_t i = 0; i < bytes; ++i) {
+    static_cast<unsigned char*>(data)[i] =
+        static_cast<unsigned char>(std::stoi(std::string(hex + 2 * i, 2), nullptr, 16));
+  }
+}
+
+// Records as tab-separated lines, for the launcher.
+void write_records(const std::string& path, const std::vector<Record>& records) {
+  std::FILE* file = std::fopen(path.c_str(), "w");
+  if (file == nullptr) TPF_FAIL("cannot write " << path);
+  for (const Record& r : records) {
+    std::fprintf(file, "%s\t%s\t%lld\t%lld\t%d\t%.17g\t%d\t%s\n", r.op.c_str(), r.impl.c_str(),
+                 static_cast<long long>(r.hidden), static_cast<long long>(r.tokens), r.world_size,
+                 r.us, r.pdl ? int(*r.pdl) : -1, r.chosen.empty() ? "-" : r.chosen.c_str());
+  }
+  std::fclose(file);
+}
+
+std::vector<Record> read_records(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) TPF_FAIL("a rank process left no records in " << path);
+  std::vector<Record> records;
+  std::string line;
+  while (std::getline(file, line)) {
+    std::istringstream fields(line);
+    Record r;
+    std::string us, chosen;
+    int pdl = -1;
+    std::getline(fields, r.op, '\t');
+    std::getline(fields, r.impl, '\t');
+    fields >> r.hidden >> r.tokens >> r.world_size >> us >> pdl >> chosen;
+    r.us = std::strtod(us.c_str(), nullptr);
+    if (pdl >= 0) r.pdl = pdl != 0;
+    if (chosen != "-") r.chosen = chosen;
+    records.push_back(r);
+  }
+  return records;
+}
+
+// One rank of --processes: its own team over NCCL, the same measurements as a rank thread.
+void run_rank_process(const Options& options) {
+  const int rank = std::atoi(std::getenv("TPFUSE_BENCH_RANK"));
+  const int world_size = std::atoi(std::getenv("TPFUSE_BENCH_WORLD"));
+  TPF_CHECK_CUDA(cudaSetDevice(rank));
+  UniqueId team_id;
+  ncclUniqueId nccl_id;
+  from_hex(std::getenv("TPFUSE_BENCH_TEAM_ID"), team_id.bytes, sizeof(team_id.bytes));
+  from_hex(std::getenv("TPFUSE_BENCH_NCCL_ID"), &nccl_id, sizeof(nccl_id));
+  const Team team = create_nccl_team(team_id, rank, world_size, rank, team_options_of(options));
+  if (rank == 0) {
+    std::fprintf(
+        stderr, "rank processes: peer memory %s%s%s\n", team.peer_memory().c_str(),
+        team.fallback_reason().empty() ? "" : "; fallback: ", team.fallback_reason().c_str());
+  }
+  GpuPlan plan;
+  static_cast<BenchPlan&>(plan) =
+      make_plan(options, team, kGpuMaxDefaultTokens, kGpuOpsPerGraph, kGpuReplays);
+  plan.pdl = tpfuse_pdl_enabled();
+  std::vector<Record> records;
+  {
+    GpuRank gpu(team, plan, &nccl_id);
+    NcclBarrier barrier(gpu.comm());
+    try {
+      run_rank(gpu, barrier, plan, records);
+    } catch (...) {
+      gpu.mark_failed();
+      throw;
+    }
+  }
+  write_records(std::getenv("TPFUSE_BENCH_RECORDS"), records);
+}
+
+// --processes: starts one copy of this binary per GPU and merges what they measured.
+std::vector<Record> launch_rank_processes(int world_size) {
+  const std::string team_id = [] {
+    const UniqueId id = create_unique_id();
+    return to_hex(id.bytes, sizeof(id.bytes));
+  }();
+  ncclUniqueId nccl_id;
+  TPF_CHECK_NCCL(ncclGetUniqueId(&nccl_id));
+  const std::string bench_id = to_hex(&nccl_id, sizeof(nccl_id));
+  const std::filesystem::path directory =
+      std::filesystem::temp_directory_path() / ("tpfuse-bench-" + std::to_string(getpid()));
+  std::filesystem::create_directories(directory);
+  std::vector<std::string> argv_storage;
+  {
+    std::ifstream cmdline("/proc/self/cmdline");
+    std::string argument;
+    while (std::getline(cmdline, argument, '\0')) argv_storage.push_back(argument);
+  }
+  std::vector<char*> argv;
+  for (std::string& argument : argv_storage) argv.push_back(argument.data());
+  argv.push_back(nullptr);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < world_size; ++rank) {
+    std::vector<std::string> variables = {
+        "TPFUSE_BENCH_RANK=" + std::to_string(rank),
+        "TPFUSE_BENCH_WORLD=" + std::to_string(world_size), "TPFUSE_BENCH_TEAM_ID=" + team_id,
+        "TPFUSE_BENCH_NCCL_ID=" + bench_id,
+        "TPFUSE_BENCH_RECORDS=" + (directory / ("rank" + std::to_string(rank) + ".tsv")).string()};
+    std::vector<char*> env;
+    for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
+    for (std::string& v : variables) env.push_back(v.data());
+    env.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), env.data()) != 0) {
+      for (pid_t child : children) kill(child, SIGKILL);
+      TPF_FAIL("posix_spawn of rank " << rank << " failed");
+    }
+    children.push_back(pid);
+  }
+  // A rank that fails takes the others down: they would wait for it in NCCL forever.
+  bool failed = false;
+  for (size_t done = 0; done < children.size();) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    ++done;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      failed = true;
+      for (pid_t child : children) {
+        if (child != pid) kill(child, SIGTERM);
+      }
+    }
+  }
+  if (failed) TPF_FAIL("a rank process failed (its error is above)");
+  std::vector<std::vector<Record>> per_rank;
+  for (int rank = 0; rank < world_size; ++rank) {
+    per_rank.push_back(
+        read_records((directory / ("rank" + std::to_string(rank) + ".tsv")).string()));
+  }
+  std::filesystem::remove_all(directory);
+  return merge_ranks(per_rank);
+}
+#endif
+
+}  // namespace
+
+bool is_rank_process() {
+  return std::getenv("TPFUSE_BENCH_RANK") != nullptr;
+}
+
+std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
+  const int device_count = cuda_device_count();
+  const int world_size =
+      options.world_size > 0 ? options.world_size : std::min(device_count, kGpuMaxDefaultWorld);
+  if (world_size < 1 || world_size > device_count) {
+    TPF_FAIL("--world " << world_size << " but this process sees " << device_count
+                        << " CUDA device(s)");
+  }
+  if (options.processes) {
+#if TPFUSE_BENCH_NCCL
+    if (is_rank_process()) {
+      run_rank_process(options);
+      return {};
+    }
+    GpuPlan plan;
+    plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kGpuOpsPerGraph;
+    plan.replays = options.replays > 0 ? options.replays : kGpuReplays;
+    fill_run_info(plan, true, info);
+    std::fprintf(stderr, "GPU mode: %d processes x %s, %s, %s\n", world_size, info.gpu.c_str(),
+                 dtype_name(options.dtype), info.method.c_str());
+    std::vector<Record> records = launch_rank_processes(world_size);
+    add_floors(plan, records);
+    return records;
+#else
+    TPF_FAIL("--processes needs NCCL, which this build of tpfuse-bench does not have");
+#endif
+  }
+  std::vector<int> devices(static_cast<size_t>(world_size));
+  for (int rank = 0; rank < world_size; ++rank) devices[size_t(rank)] = rank;
+  const std::vector<Team> team = create_cuda_team(devices, team_options_of(options));
+
+  GpuPlan plan;
+  static_cast<BenchPlan&>(plan) =
+      make_plan(options, team[0], kGpuMaxDefaultTokens, kGpuOpsPerGraph, kGpuReplays);
+  plan.pdl = tpfuse_pdl_enabled();
+  fill_run_info(plan, false, info);
 
   const void* nccl_id_pointer = nullptr;
 #if TPFUSE_BENCH_NCCL
-  info.nccl = nccl_version_string();
   ncclUniqueId nccl_id;
   TPF_CHECK_NCCL(ncclGetUniqueId(&nccl_id));
   nccl_id_pointer = &nccl_id;

@@ -36,6 +36,10 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
   --replays N          timed replays; the median is reported (default 50; CPU mode 20)
   --packet-mib N       one-shot workspace packet size in MiB (TeamOptions::packet_bytes, default 16)
   --backend B          auto | cuda | cpu (default auto: cuda with two or more GPUs)
+  --processes          GPU mode: one process per GPU, teams over NCCL (create_nccl_team), as
+                       serving runs; default: one process drives every GPU (create_cuda_team)
+  --peer-timeout S     TeamOptions::peer_timeout_seconds (default 10; 0: unchecked polling),
+                       to measure what checked mode costs
   --out PATH           results JSON (default bench/results/<device>-<YYYYMMDD>-<commit>.json)
   --help               this text
 
@@ -100,11 +104,15 @@ Options parse_options(int argc, char** argv) {
       std::printf("%s", kUsage);
       std::exit(0);
     }
-    static const char* const kFlags[] = {"--hidden",     "--tokens",        "--dtype",
-                                         "--world",      "--ops-per-graph", "--replays",
-                                         "--packet-mib", "--backend",       "--out"};
+    static const char* const kFlags[] = {
+        "--hidden",     "--tokens",  "--dtype", "--world",     "--ops-per-graph", "--replays",
+        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout"};
     if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
       usage_error("unknown option '" + flag + "'");
+    }
+    if (flag == "--processes") {
+      options.processes = true;
+      continue;
     }
     if (!inline_value) {
       if (i + 1 >= argc) usage_error(flag + " needs a value");
@@ -141,6 +149,12 @@ Options parse_options(int argc, char** argv) {
       options.replays = int(parse_integer(flag, value, 1));
     } else if (flag == "--packet-mib") {
       options.packet_bytes = size_t(parse_integer(flag, value, 1)) << 20;
+    } else if (flag == "--peer-timeout") {
+      char* end = nullptr;
+      options.peer_timeout_seconds = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || options.peer_timeout_seconds < 0) {
+        usage_error("--peer-timeout expects seconds >= 0, got '" + value + "'");
+      }
     } else if (flag == "--backend") {
       if (value == "auto") {
         options.backend = BackendChoice::kAuto;
@@ -272,11 +286,13 @@ int run(int argc, char** argv) {
   if (mode == Mode::kGpu) {
 #if TPFUSE_BENCH_CUDA
     records = run_gpu_bench(options, info);
+    if (is_rank_process()) return 0;  // the launcher writes the results
     if (world_size == 0) world_size = std::min(cuda_device_count(), kGpuMaxDefaultWorld);
 #else
     usage_error("this build of tpfuse-bench has no GPU mode");
 #endif
   } else {
+    if (options.processes) usage_error("--processes needs the GPU mode (two or more GPUs)");
     records = run_cpu_bench(options, info);
     if (world_size == 0) world_size = kCpuDefaultWorld;
   }
