@@ -1,0 +1,40 @@
+"""tpfuse: fused all-reduce + epilogue ops for tensor-parallel inference, as torch ops.
+
+The ops are registered from C++ (``torch.ops.tpfuse.*``, no Python on the per-call path); this
+package loads them and wraps teams:
+
+    import tpfuse
+    team = tpfuse.Team.from_group(group)          # one rank per process, over NCCL
+    norm, residual = tpfuse.allreduce_add_rmsnorm(team, partial, residual, weight, eps)
+
+Ops take the team as an int handle (``team.handle``), which torch.compile and CUDA graphs treat
+as a constant.
+"""
+
+
+import torch
+
+from ._library import library_path
+
+torch.ops.load_library(library_path())
+
+from .ops import (  # noqa: E402  (the library must be loaded first)
+    ALGORITHMS,
+    RopeStyle,
+    allreduce,
+    allreduce_add_rmsnorm,
+    allreduce_qk_rmsnorm,
+)
+from .team import Team, cpu_team, cuda_team  # noqa: E402
+
+__all__ = [
+    "ALGORITHMS",
+    "RopeStyle",
+    "Team",
+    "allreduce",
+    "allreduce_add_rmsnorm",
+    "allreduce_qk_rmsnorm",
+    "cpu_team",
+    "cuda_team",
+    "library_path",
+]

@@ -1,0 +1,92 @@
+"""The fused ops, as thin calls of the C++-registered torch ops."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .team import Team
+
+ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2, "nccl": 3}
+
+
+class RopeStyle(enum.IntEnum):
+    NONE = 0
+    NEOX = 1  # rotate-half, as MiniMax-M2
+    INTERLEAVED = 2
+
+
+def _handle(team: Union[Team, int]) -> int:
+    return team.handle if isinstance(team, Team) else int(team)
+
+
+def _algorithm(algorithm: Union[str, int]) -> int:
+    if isinstance(algorithm, str):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+        return ALGORITHMS[algorithm]
+    return int(algorithm)
+
+
+def allreduce_add_rmsnorm(
+    team: Union[Team, int],
+    input: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    algorithm: Union[str, int] = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(norm_out, residual_out): residual_out = all-reduce(input) + residual (fp32, rank order,
+    one rounding), norm_out = rmsnorm(residual_out) * weight."""
+    return torch.ops.tpfuse.allreduce_add_rmsnorm(
+        _handle(team), input, residual, weight, eps, _algorithm(algorithm)
+    )
+
+
+def allreduce(
+    team: Union[Team, int], input: torch.Tensor, algorithm: Union[str, int] = "auto"
+) -> torch.Tensor:
+    """The sum over ranks (fp32, rank order, one rounding)."""
+    return torch.ops.tpfuse.allreduce(_handle(team), input, _algorithm(algorithm))
+
+
+def allreduce_qk_rmsnorm(
+    team: Union[Team, int],
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_size: int,
+    kv_size: int,
+    q_global_size: int,
+    k_global_size: int,
+    eps: float,
+    kv_replicas: int = 1,
+    positions: Optional[torch.Tensor] = None,
+    cos_sin_cache: Optional[torch.Tensor] = None,
+    head_dim: int = 0,
+    rotary_dim: int = 0,
+    rope_style: int = RopeStyle.NONE,
+    algorithm: Union[str, int] = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, k) of this rank's packed qkv, normalized by the global per-token RMS of q and of k,
+    then optionally rotated (cos_sin_cache: fp32 [max_position, rotary_dim], cos then sin)."""
+    return torch.ops.tpfuse.allreduce_qk_rmsnorm(
+        _handle(team),
+        qkv,
+        q_weight,
+        k_weight,
+        q_size,
+        kv_size,
+        q_global_size,
+        k_global_size,
+        kv_replicas,
+        eps,
+        positions,
+        cos_sin_cache,
+        head_dim,
+        rotary_dim,
+        int(rope_style),
+        _algorithm(algorithm),
+    )

@@ -1,0 +1,101 @@
+"""Teams: the ranks that reduce together and their symmetric workspace."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+_DEFAULT_PACKET_BYTES = 16 << 20
+
+
+class Team:
+    """One rank's handle on a team; ``handle`` is what the ops take."""
+
+    def __init__(self, handle: int):
+        self.handle = int(handle)
+        rank, world_size, device, peer_memory, fallback_reason = torch.ops.tpfuse.team_info(
+            self.handle
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.peer_memory = peer_memory
+        self.fallback_reason = fallback_reason
+
+    @classmethod
+    def from_group(
+        cls,
+        group: Optional["torch.distributed.ProcessGroup"] = None,
+        packet_bytes: int = _DEFAULT_PACKET_BYTES,
+        peer_timeout_seconds: float = 10.0,
+    ) -> "Team":
+        """A team of this process's CUDA device over a torch process group (collective).
+
+        NCCL is bootstrapped through the group: rank 0 of the group makes an NCCL id and the
+        group broadcasts it. The team lives until ``close()`` (or the process ends).
+        """
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("tpfuse.Team.from_group: torch.distributed is not initialized")
+        group = group if group is not None else dist.group.WORLD
+        world_size = dist.get_world_size(group)
+        if world_size < 2:
+            raise ValueError(
+                f"tpfuse.Team.from_group: the group has {world_size} rank; a team needs 2 or more"
+            )
+        if world_size > 16:
+            raise ValueError(f"tpfuse.Team.from_group: world size {world_size} is over 16")
+        if not torch.cuda.is_available():
+            raise RuntimeError("tpfuse.Team.from_group: needs CUDA (use cpu_team for the CPU backend)")
+        rank = dist.get_rank(group)
+        device = torch.cuda.current_device()
+        unique_id = [torch.ops.tpfuse.create_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(unique_id, group=group, group_src=0)
+        handle = torch.ops.tpfuse.create_nccl_team(
+            unique_id[0], rank, world_size, device, packet_bytes, peer_timeout_seconds
+        )
+        return cls(handle)
+
+    def choose(self, tokens: int, hidden: int, dtype: torch.dtype) -> str:
+        """The algorithm an op of this shape runs with algorithm=0 (auto)."""
+        return torch.ops.tpfuse.choose(self.handle, tokens, hidden, dtype)
+
+    def close(self) -> None:
+        """Releases this handle (a team's memory goes with its last handle)."""
+        if self.handle:
+            torch.ops.tpfuse.release_team(self.handle)
+            self.handle = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"tpfuse.Team(rank={self.rank}, world_size={self.world_size}, device={self.device}, "
+            f"peer_memory={self.peer_memory!r}, fallback_reason={self.fallback_reason!r})"
+        )
+
+
+def cpu_team(
+    world_size: int,
+    packet_bytes: int = _DEFAULT_PACKET_BYTES,
+    peer_timeout_seconds: float = 10.0,
+) -> List[Team]:
+    """A CPU-backend team: one handle per rank; each rank's ops must run on its own thread."""
+    return [
+        Team(h)
+        for h in torch.ops.tpfuse.create_cpu_team(world_size, packet_bytes, peer_timeout_seconds)
+    ]
+
+
+def cuda_team(
+    devices: Sequence[int],
+    packet_bytes: int = _DEFAULT_PACKET_BYTES,
+    peer_timeout_seconds: float = 10.0,
+) -> List[Team]:
+    """A team of these CUDA devices driven by this one process."""
+    return [
+        Team(h)
+        for h in torch.ops.tpfuse.create_cuda_team(
+            list(devices), packet_bytes, peer_timeout_seconds
+        )
+    ]

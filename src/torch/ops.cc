@@ -1,0 +1,363 @@
+// tpfuse's torch ops, registered from C++ (no Python on the per-call path): the fused ops with
+// CPU (the CPU backend), CUDA and Meta (shape-only, for torch.compile's fake tensors) kernels,
+// and the team ops that make, describe and release teams. A team is passed to the fused ops as
+// an int handle (a registry here owns the Team): an int traces through torch.compile and CUDA
+// graphs like any constant.
+//
+// Load with torch.ops.load_library(<path of libtpfuse_torch.so>) (python/tpfuse does).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#if TPFUSE_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::torch_ops {
+namespace {
+
+// Teams by handle. Handles are never reused; release_team drops the registry's reference.
+class Registry {
+ public:
+  static Registry& instance() {
+    static Registry registry;
+    return registry;
+  }
+  int64_t add(Team team) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int64_t handle = next_++;
+    teams_.emplace(handle, std::move(team));
+    return handle;
+  }
+  Team get(int64_t handle, const char* op) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = teams_.find(handle);
+    TORCH_CHECK(found != teams_.end(), "tpfuse::", op, ": team ", handle,
+                " is not a live team handle (released, or never made)");
+    return found->second;
+  }
+  void release(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(teams_.erase(handle) == 1, "tpfuse::release_team: team ", handle,
+                " is not a live team handle");
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<int64_t, Team> teams_;
+  int64_t next_ = 1;
+};
+
+DType dtype_of(const at::Tensor& tensor, const char* op, const char* name) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "tpfuse::", op, ": ", name, " must be float32, float16 or bfloat16, got ",
+                  tensor.scalar_type());
+  }
+}
+
+void check_like(const at::Tensor& tensor, const at::Tensor& reference, const char* op,
+                const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type(), "tpfuse::", op, ": ", name,
+              " must have dtype ", reference.scalar_type(), ", got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.device() == reference.device(), "tpfuse::", op, ": ", name, " must be on ",
+              reference.device(), ", got ", tensor.device());
+  TORCH_CHECK(tensor.is_contiguous(), "tpfuse::", op, ": ", name, " must be contiguous");
+}
+
+TeamOptions team_options(int64_t packet_bytes, double peer_timeout_seconds) {
+  TeamOptions options;
+  TORCH_CHECK(packet_bytes > 0, "tpfuse: packet_bytes must be > 0, got ", packet_bytes);
+  options.packet_bytes = size_t(packet_bytes);
+  options.peer_timeout_seconds = peer_timeout_seconds;
+  return options;
+}
+
+// The stream a call on `tensor` queues on: torch's current stream of its device (CUDA), none
+// for CPU tensors. Checks that the tensor is where the team is.
+cudaStream_t stream_for(const Team& team, const at::Tensor& tensor, const char* op) {
+  if (team.backend() == Backend::kCpu) {
+    TORCH_CHECK(tensor.device().is_cpu(), "tpfuse::", op,
+                ": a CPU-backend team takes CPU tensors, got ", tensor.device());
+    return nullptr;
+  }
+#if TPFUSE_TORCH_CUDA
+  TORCH_CHECK(tensor.device().is_cuda() && tensor.device().index() == team.device(), "tpfuse::", op,
+              ": team rank ", team.rank(), " is on cuda:", team.device(), ", got a tensor on ",
+              tensor.device());
+  return c10::cuda::getCurrentCUDAStream(team.device()).stream();
+#else
+  TORCH_CHECK(false, "tpfuse::", op, ": this build of the torch ops has no CUDA");
+#endif
+}
+
+// Runs `call` with the team's device current (CUDA).
+template <typename Fn>
+void on_device(const Team& team, Fn&& call) {
+#if TPFUSE_TORCH_CUDA
+  if (team.backend() == Backend::kCuda) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(team.device()));
+    call();
+    return;
+  }
+#endif
+  call();
+}
+
+Algorithm algorithm_of(int64_t value, const char* op) {
+  TORCH_CHECK(value >= 0 && value <= 3, "tpfuse::", op,
+              ": algorithm must be 0 (auto), 1 (oneshot), ", "2 (twoshot) or 3 (nccl), got ",
+              value);
+  return Algorithm(value);
+}
+
+// --- the fused ops: real kernels ---
+
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
+                                                         const at::Tensor& input,
+                                                         const std::optional<at::Tensor>& residual,
+                                                         const at::Tensor& gamma, double eps,
+                                                         int64_t algorithm) {
+  const char* op = "allreduce_add_rmsnorm";
+  const Team team = Registry::instance().get(team_handle, op);
+  TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
+              input.sizes());
+  const DType dtype = dtype_of(input, op, "input");
+  check_like(input, input, op, "input");
+  check_like(gamma, input, op, "gamma");
+  TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
+              ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
+  if (residual) {
+    check_like(*residual, input, op, "residual");
+    TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
+                input.sizes(), ", got ", residual->sizes());
+  }
+  at::Tensor norm_out = at::empty_like(input);
+  at::Tensor residual_out = at::empty_like(input);
+  AddRmsNormArgs args;
+  args.input = input.data_ptr();
+  args.residual = residual ? residual->data_ptr() : nullptr;
+  args.gamma = gamma.data_ptr();
+  args.residual_out = residual_out.data_ptr();
+  args.norm_out = norm_out.data_ptr();
+  args.tokens = input.size(0);
+  args.hidden = input.size(1);
+  args.dtype = dtype;
+  args.eps = float(eps);
+  args.algorithm = algorithm_of(algorithm, op);
+  const cudaStream_t stream = stream_for(team, input, op);
+  on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
+  return {norm_out, residual_out};
+}
+
+at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {
+  const char* op = "allreduce";
+  const Team team = Registry::instance().get(team_handle, op);
+  const DType dtype = dtype_of(input, op, "input");
+  check_like(input, input, op, "input");
+  at::Tensor out = at::empty_like(input);
+  const cudaStream_t stream = stream_for(team, input, op);
+  on_device(team, [&] {
+    tpfuse::allreduce(team, input.data_ptr(), out.data_ptr(), input.numel(), dtype, stream,
+                      algorithm_of(algorithm, op));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
+    int64_t team_handle, const at::Tensor& qkv, const at::Tensor& q_gamma,
+    const at::Tensor& k_gamma, int64_t q_size, int64_t kv_size, int64_t q_global_size,
+    int64_t k_global_size, int64_t kv_replicas, double eps,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& cos_sin_cache,
+    int64_t head_dim, int64_t rotary_dim, int64_t rope_style, int64_t algorithm) {
+  const char* op = "allreduce_qk_rmsnorm";
+  const Team team = Registry::instance().get(team_handle, op);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size, "tpfuse::", op,
+              ": qkv must be [tokens, q_size + 2 * kv_size = ", q_size + 2 * kv_size, "], got ",
+              qkv.sizes());
+  const DType dtype = dtype_of(qkv, op, "qkv");
+  check_like(qkv, qkv, op, "qkv");
+  check_like(q_gamma, qkv, op, "q_gamma");
+  check_like(k_gamma, qkv, op, "k_gamma");
+  TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
+              ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
+  at::Tensor q = at::empty({qkv.size(0), q_size}, qkv.options());
+  at::Tensor k = at::empty({qkv.size(0), kv_size}, qkv.options());
+  QkNormArgs args;
+  args.qkv = qkv.data_ptr();
+  args.q_out = q.data_ptr();
+  args.k_out = k.data_ptr();
+  args.q_gamma = q_gamma.data_ptr();
+  args.k_gamma = k_gamma.data_ptr();
+  args.tokens = qkv.size(0);
+  args.q_size = q_size;
+  args.kv_size = kv_size;
+  args.q_global_size = q_global_size;
+  args.k_global_size = k_global_size;
+  args.kv_replicas = int(kv_replicas);
+  args.dtype = dtype;
+  args.eps = float(eps);
+  args.algorithm = algorithm_of(algorithm, op);
+  args.rope = RopeStyle(rope_style);
+  if (args.rope != RopeStyle::kNone) {
+    TORCH_CHECK(positions && cos_sin_cache, "tpfuse::", op,
+                ": rope_style is set but positions or cos_sin_cache is missing");
+    TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+                    positions->numel() == qkv.size(0),
+                "tpfuse::", op, ": positions must be contiguous int64 [tokens]");
+    TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat && cos_sin_cache->dim() == 2 &&
+                    cos_sin_cache->size(1) == rotary_dim && cos_sin_cache->is_contiguous(),
+                "tpfuse::", op, ": cos_sin_cache must be contiguous float32 [max_position, ",
+                rotary_dim, "], got ", cos_sin_cache->sizes());
+    args.head_dim = head_dim;
+    args.rotary_dim = rotary_dim;
+    args.positions = positions->data_ptr<int64_t>();
+    args.cos_sin_cache = cos_sin_cache->data_ptr<float>();
+    args.max_position = cos_sin_cache->size(0);
+  }
+  const cudaStream_t stream = stream_for(team, qkv, op);
+  on_device(team, [&] { allreduce_qk_rmsnorm(team, args, stream); });
+  return {q, k};
+}
+
+// --- the same ops on Meta tensors: shapes only ---
+
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(int64_t, const at::Tensor& input,
+                                                              const std::optional<at::Tensor>&,
+                                                              const at::Tensor&, double, int64_t) {
+  return {at::empty_like(input), at::empty_like(input)};
+}
+
+at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
+  return at::empty_like(input);
+}
+
+std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm_meta(
+    int64_t, const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, int64_t q_size,
+    int64_t kv_size, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t) {
+  return {at::empty({qkv.size(0), q_size}, qkv.options()),
+          at::empty({qkv.size(0), kv_size}, qkv.options())};
+}
+
+// --- team ops ---
+
+std::vector<int64_t> handles_of(std::vector<Team> teams) {
+  std::vector<int64_t> handles;
+  for (Team& team : teams) handles.push_back(Registry::instance().add(std::move(team)));
+  return handles;
+}
+
+std::vector<int64_t> create_cpu_team_op(int64_t world_size, int64_t packet_bytes,
+                                        double peer_timeout_seconds) {
+  return handles_of(
+      create_cpu_team(int(world_size), team_options(packet_bytes, peer_timeout_seconds)));
+}
+
+std::vector<int64_t> create_cuda_team_op(std::vector<int64_t> devices, int64_t packet_bytes,
+                                         double peer_timeout_seconds) {
+  return handles_of(create_cuda_team(std::vector<int>(devices.begin(), devices.end()),
+                                     team_options(packet_bytes, peer_timeout_seconds)));
+}
+
+at::Tensor create_unique_id_op() {
+  const UniqueId id = create_unique_id();
+  at::Tensor bytes = at::empty({int64_t(sizeof(id.bytes))}, at::kByte);
+  std::memcpy(bytes.data_ptr(), id.bytes, sizeof(id.bytes));
+  return bytes;
+}
+
+int64_t create_nccl_team_op(const at::Tensor& unique_id, int64_t rank, int64_t world_size,
+                            int64_t device, int64_t packet_bytes, double peer_timeout_seconds) {
+  UniqueId id;
+  TORCH_CHECK(unique_id.scalar_type() == at::kByte && unique_id.numel() == sizeof(id.bytes) &&
+                  unique_id.device().is_cpu(),
+              "tpfuse::create_nccl_team: unique_id must be a CPU uint8 tensor of ",
+              sizeof(id.bytes), " bytes (from create_unique_id)");
+  std::memcpy(id.bytes, unique_id.contiguous().data_ptr(), sizeof(id.bytes));
+  return Registry::instance().add(
+      create_nccl_team(id, int(rank), int(world_size), int(device),
+                       team_options(packet_bytes, peer_timeout_seconds)));
+}
+
+void release_team_op(int64_t handle) {
+  Registry::instance().release(handle);
+}
+
+std::tuple<int64_t, int64_t, int64_t, std::string, std::string> team_info_op(int64_t handle) {
+  const Team team = Registry::instance().get(handle, "team_info");
+  return {team.rank(), team.world_size(), team.device(), team.peer_memory(),
+          team.fallback_reason()};
+}
+
+std::string choose_op(int64_t handle, int64_t tokens, int64_t hidden, at::ScalarType dtype) {
+  const Team team = Registry::instance().get(handle, "choose");
+  const at::Tensor probe = at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kMeta));
+  return algorithm_name(team.choose(tokens, hidden, dtype_of(probe, "choose", "dtype")));
+}
+
+}  // namespace
+}  // namespace tpfuse::torch_ops
+
+TORCH_LIBRARY(tpfuse, m) {
+  using namespace tpfuse::torch_ops;
+  m.def(
+      "allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor gamma, float eps, "
+      "int algorithm=0) -> (Tensor norm_out, Tensor residual_out)");
+  m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
+  m.def(
+      "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_gamma, Tensor k_gamma, int q_size, "
+      "int kv_size, int q_global_size, int k_global_size, int kv_replicas, float eps, "
+      "Tensor? positions=None, Tensor? cos_sin_cache=None, int head_dim=0, int rotary_dim=0, "
+      "int rope_style=0, int algorithm=0) -> (Tensor q, Tensor k)");
+  m.def("create_cpu_team(int world_size, int packet_bytes, float peer_timeout_seconds) -> int[]",
+        &create_cpu_team_op);
+  m.def("create_cuda_team(int[] devices, int packet_bytes, float peer_timeout_seconds) -> int[]",
+        &create_cuda_team_op);
+  m.def("create_unique_id() -> Tensor", &create_unique_id_op);
+  m.def(
+      "create_nccl_team(Tensor unique_id, int rank, int world_size, int device, int packet_bytes, "
+      "float peer_timeout_seconds) -> int",
+      &create_nccl_team_op);
+  m.def("release_team(int team) -> ()", &release_team_op);
+  m.def("team_info(int team) -> (int, int, int, str, str)", &team_info_op);
+  m.def("choose(int team, int tokens, int hidden, ScalarType dtype) -> str", &choose_op);
+}
+
+TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
+  using namespace tpfuse::torch_ops;
+  m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
+  m.impl("allreduce", &allreduce);
+  m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
+}
+
+#if TPFUSE_TORCH_CUDA
+TORCH_LIBRARY_IMPL(tpfuse, CUDA, m) {
+  using namespace tpfuse::torch_ops;
+  m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
+  m.impl("allreduce", &allreduce);
+  m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(tpfuse, Meta, m) {
+  using namespace tpfuse::torch_ops;
+  m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm_meta);
+  m.impl("allreduce", &allreduce_meta);
+  m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm_meta);
+}

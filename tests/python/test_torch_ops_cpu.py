@@ -1,0 +1,193 @@
+"""The torch ops on the CPU backend (ranks are threads): numerics against float64, identical bits
+on every rank, each algorithm, bad arguments named, the Meta kernels under opcheck and
+torch.compile. Run: python3 -m unittest discover -s tests/python (ctest does, when torch is
+importable)."""
+
+import threading
+import unittest
+
+import torch
+
+import tpfuse
+
+
+def on_every_rank(teams, call):
+    """call(rank, team) on a thread per rank; returns the results in rank order."""
+    results = [None] * len(teams)
+    errors = []
+
+    def run(rank):
+        try:
+            results[rank] = call(rank, teams[rank])
+        except Exception as error:  # noqa: BLE001 -- re-raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(teams))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def reference_add_rmsnorm(inputs, residual, weight, eps):
+    total = sum(x.double() for x in inputs)
+    if residual is not None:
+        total = total + residual.double()
+    rounded = total.to(inputs[0].dtype).double()
+    norm = rounded * torch.rsqrt(rounded.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return norm, total
+
+
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+class AddRmsNorm(unittest.TestCase):
+    def test_every_algorithm_matches_float64_and_every_rank_agrees(self):
+        generator = torch.Generator().manual_seed(1)
+        for world in (2, 4):
+            teams = tpfuse.cpu_team(world)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for algorithm in ("auto", "oneshot", "twoshot", "nccl"):
+                    for with_residual in (True, False):
+                        tokens, hidden = 5, 136
+                        inputs = [
+                            torch.randn(tokens, hidden, generator=generator).to(dtype)
+                            for _ in range(world)
+                        ]
+                        residual = (
+                            torch.randn(tokens, hidden, generator=generator).to(dtype)
+                            if with_residual
+                            else None
+                        )
+                        weight = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(dtype)
+                        out = on_every_rank(
+                            teams,
+                            lambda r, t: tpfuse.allreduce_add_rmsnorm(
+                                t, inputs[r], residual, weight, 1e-6, algorithm
+                            ),
+                        )
+                        norm_ref, sum_ref = reference_add_rmsnorm(inputs, residual, weight, 1e-6)
+                        where = f"world {world} {dtype} {algorithm} residual={with_residual}"
+                        tolerance = TOLERANCE[dtype] * (2 if algorithm == "nccl" else 1)
+                        for rank in range(world):
+                            norm, residual_out = out[rank]
+                            torch.testing.assert_close(
+                                norm.double(), norm_ref, atol=tolerance, rtol=tolerance, msg=where
+                            )
+                            torch.testing.assert_close(
+                                residual_out.double(), sum_ref, atol=tolerance * 4,
+                                rtol=tolerance, msg=where,
+                            )
+                            self.assertTrue(torch.equal(norm, out[0][0]), where)
+                            self.assertTrue(torch.equal(residual_out, out[0][1]), where)
+            for team in teams:
+                team.close()
+
+    def test_allreduce_sums_in_rank_order(self):
+        teams = tpfuse.cpu_team(3)
+        inputs = [torch.full((4, 16), float(r + 1), dtype=torch.float32) for r in range(3)]
+        out = on_every_rank(teams, lambda r, t: tpfuse.allreduce(t, inputs[r]))
+        for tensor in out:
+            self.assertTrue(torch.equal(tensor, torch.full((4, 16), 6.0)))
+        for team in teams:
+            team.close()
+
+    def test_bad_arguments_are_named(self):
+        (team,) = tpfuse.cpu_team(1)
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        weight = torch.ones(64, dtype=torch.bfloat16)
+        cases = [
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x.double(), None, weight, 1e-6), "input"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6), "gamma"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, x.float(), weight, 1e-6), "residual"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x.t(), None, weight, 1e-6), "contiguous"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, -1.0), "eps"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, 1e-6, 9), "algorithm"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(12345, x, None, weight, 1e-6), "team 12345"),
+        ]
+        for call, name in cases:
+            with self.assertRaisesRegex(RuntimeError, name):
+                call()
+        handle = team.handle
+        team.close()
+        with self.assertRaisesRegex(RuntimeError, "not a live team"):
+            tpfuse.allreduce_add_rmsnorm(handle, x, None, weight, 1e-6)
+
+
+class QkRmsNorm(unittest.TestCase):
+    def test_matches_float64_across_ranks(self):
+        generator = torch.Generator().manual_seed(2)
+        world, heads, kv_heads, head_dim, tokens = 2, 4, 1, 64, 3
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        teams = tpfuse.cpu_team(world)
+        qkv = [
+            torch.randn(tokens, q_size + 2 * kv_size, generator=generator).to(torch.bfloat16)
+            for _ in range(world)
+        ]
+        q_weight = [torch.ones(q_size, dtype=torch.bfloat16) for _ in range(world)]
+        k_weight = [torch.ones(kv_size, dtype=torch.bfloat16) for _ in range(world)]
+        for algorithm in ("auto", "oneshot", "nccl"):
+            out = on_every_rank(
+                teams,
+                lambda r, t: tpfuse.allreduce_qk_rmsnorm(
+                    t, qkv[r], q_weight[r], k_weight[r], q_size, kv_size, q_size * world,
+                    kv_size * world, 1e-6, algorithm=algorithm,
+                ),
+            )
+            q_all = torch.cat([x[:, :q_size].double() for x in qkv], dim=1)
+            k_all = torch.cat([x[:, q_size : q_size + kv_size].double() for x in qkv], dim=1)
+            q_rstd = torch.rsqrt(q_all.pow(2).mean(-1, keepdim=True) + 1e-6)
+            k_rstd = torch.rsqrt(k_all.pow(2).mean(-1, keepdim=True) + 1e-6)
+            for rank in range(world):
+                q, k = out[rank]
+                q_ref = qkv[rank][:, :q_size].double() * q_rstd
+                k_ref = qkv[rank][:, q_size : q_size + kv_size].double() * k_rstd
+                torch.testing.assert_close(q.double(), q_ref, atol=3e-2, rtol=3e-2)
+                torch.testing.assert_close(k.double(), k_ref, atol=3e-2, rtol=3e-2)
+        for team in teams:
+            team.close()
+
+
+class Compile(unittest.TestCase):
+    """A team of one rank runs alone, so the ops can be checked and compiled without threads."""
+
+    def setUp(self):
+        (self.team,) = tpfuse.cpu_team(1)
+
+    def tearDown(self):
+        self.team.close()
+
+    def test_opcheck(self):
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        weight = torch.ones(64, dtype=torch.bfloat16)
+        torch.library.opcheck(
+            torch.ops.tpfuse.allreduce_add_rmsnorm.default, (self.team.handle, x, x, weight, 1e-6, 0)
+        )
+        torch.library.opcheck(torch.ops.tpfuse.allreduce.default, (self.team.handle, x, 0))
+        qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
+        torch.library.opcheck(
+            torch.ops.tpfuse.allreduce_qk_rmsnorm.default,
+            (self.team.handle, qkv, torch.ones(64, dtype=torch.bfloat16),
+             torch.ones(32, dtype=torch.bfloat16), 64, 32, 64, 32, 1, 1e-6),
+        )
+
+    def test_compiled_graph_holds_the_op_and_matches_eager(self):
+        handle = self.team.handle
+
+        def block(x, residual, weight):
+            norm, residual = torch.ops.tpfuse.allreduce_add_rmsnorm(handle, x, residual, weight, 1e-6)
+            return norm * 2, residual
+
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        residual = torch.randn(4, 64, dtype=torch.bfloat16)
+        weight = torch.ones(64, dtype=torch.bfloat16)
+        compiled = torch.compile(block, fullgraph=True)
+        for got, want in zip(compiled(x, residual, weight), block(x, residual, weight)):
+            self.assertTrue(torch.equal(got, want))
+
+
+if __name__ == "__main__":
+    unittest.main()
