@@ -1,0 +1,143 @@
+"""The torch.compile passes on the CPU backend: a one-process gloo group and a one-rank CPU team,
+so compiled graphs hold real all-reduces for the passes to find. Each test compiles a small model
+and checks how many sites were rewritten, which ops the graph held before and after, and that the
+outputs equal the unfused model's (the all-reduce of one rank is exact; the fused op rounds once
+where the unfused graph rounds twice, so norms may differ in the last bit)."""
+
+import os
+import tempfile
+import unittest
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import tpfuse
+import tpfuse.passes as passes
+
+ALL_REDUCE = "_c10d_functional.all_reduce.default"
+FUSED = "tpfuse.allreduce_add_rmsnorm.default"
+
+
+def hand_written_rms_norm(h, weight, eps, weight_first=True):
+    dtype = h.dtype
+    hf = h.to(torch.float32)
+    variance = hf.pow(2).mean(-1, keepdim=True)
+    hf = hf * torch.rsqrt(variance + eps)
+    return weight * hf.to(dtype) if weight_first else hf.to(dtype) * weight
+
+
+class Passes(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not dist.is_initialized():
+            cls.store_dir = tempfile.mkdtemp()
+            dist.init_process_group(
+                "gloo", store=dist.FileStore(os.path.join(cls.store_dir, "store"), 1), rank=0,
+                world_size=1,
+            )
+        (cls.team,) = tpfuse.cpu_team(1)
+        passes.install(cls.team)
+        # Every compile runs the passes (a cache hit would skip them, and the counts with them).
+        torch._inductor.config.force_disable_caches = True
+
+    @classmethod
+    def tearDownClass(cls):
+        passes.uninstall()
+        cls.team.close()
+
+    def compile_and_run(self, model, *args):
+        torch._dynamo.reset()
+        passes.stats["allreduce_add_rmsnorm"] = 0
+        passes.graphs.clear()
+        expected = model(*[a.clone() for a in args])
+        got = torch.compile(model, fullgraph=True)(*[a.clone() for a in args])
+        return got, expected
+
+    def check_rewritten(self, sites):
+        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], sites)
+        before = [op for g in passes.graphs for op in g["before"]]
+        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(before.count(ALL_REDUCE), sites)
+        self.assertEqual(after.count(ALL_REDUCE), 0, after)
+        self.assertEqual(after.count(FUSED), sites, after)
+
+    def check_close(self, got, expected):
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
+
+    def inputs(self, tokens=5, hidden=64, dtype=torch.bfloat16):
+        generator = torch.Generator().manual_seed(tokens * hidden)
+        x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+        residual = torch.randn(tokens, hidden, generator=generator).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+        return x, residual, weight
+
+    def test_functional_all_reduce_add_hand_written_norm(self):
+        for weight_first in (True, False):
+
+            def model(x, residual, weight):
+                h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+                return hand_written_rms_norm(h, weight, 1e-6, weight_first), h
+
+            got, expected = self.compile_and_run(model, *self.inputs())
+            self.check_rewritten(1)
+            self.check_close(got, expected)
+
+    def test_functional_rms_norm_any_eps_and_width(self):
+        def model(x, residual, weight):
+            h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD)
+            return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, 1e-5), h
+
+        got, expected = self.compile_and_run(model, *self.inputs(hidden=40, dtype=torch.float16))
+        self.check_rewritten(1)
+        self.check_close(got, expected)
+
+    def test_in_place_all_reduce_whose_sum_is_written_back_is_left_alone(self):
+        # dist.all_reduce(x) also writes the sum into x: a use the fused op cannot serve.
+        def model(x, residual, weight):
+            dist.all_reduce(x)
+            h = residual + x
+            return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, 1e-5), h
+
+        got, expected = self.compile_and_run(model, *self.inputs())
+        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
+        self.check_close(got, expected)
+
+    def test_without_residual(self):
+        def model(x, residual, weight):
+            h = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            return hand_written_rms_norm(h, weight, 1e-6), h * 2
+
+        got, expected = self.compile_and_run(model, *self.inputs())
+        self.check_rewritten(1)
+        self.check_close(got, expected)
+
+    def test_every_site_of_a_two_layer_model_with_3d_activations(self):
+        def model(x, residual, weight):
+            for _ in range(2):
+                residual = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+                x = hand_written_rms_norm(residual, weight, 1e-6) * 0.5
+            return x, residual
+
+        x, residual, weight = self.inputs(tokens=6)
+        got, expected = self.compile_and_run(
+            model, x.view(2, 3, 64), residual.view(2, 3, 64), weight
+        )
+        self.check_rewritten(2)
+        self.check_close(got, expected)
+
+    def test_other_patterns_are_left_alone(self):
+        def model(x, residual, weight):
+            # A max all-reduce, and a norm that is not over the last dim: no rewrite.
+            h = funcol.all_reduce(x, "max", dist.group.WORLD) + residual
+            hf = h.float()
+            return (hf * torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)).to(h.dtype), h
+
+        got, expected = self.compile_and_run(model, *self.inputs())
+        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
+        self.check_close(got, expected)
+
+
+if __name__ == "__main__":
+    unittest.main()
