@@ -13,6 +13,10 @@ either form models write it -- the hand-written fp32-upcast one (``h.float()``, 
 ``tpfuse::allreduce_add_rmsnorm`` call whose two outputs replace the norm and the residual stream.
 Token counts the workspace cannot carry still run: the op itself takes the NCCL path then.
 
+And MiniMax-M2's QK norm as a TP engine writes it (per-rank mean squares of q and k, one
+all-reduce of both concatenated, divided by the world size, normalized, weighted, back to the
+input dtype; q and k split from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``.
+
 Numerics: the fused op sums in fp32 and rounds once, so its outputs can differ from the unfused
 graph's (which rounds the all-reduce, then the add) in the last bits.
 
@@ -47,7 +51,8 @@ c10d = torch.ops._c10d_functional
 
 # Installed groups: c10d group name -> team handle.
 _teams: Dict[str, int] = {}
-stats: Dict[str, int] = {"allreduce_add_rmsnorm": 0}
+stats: Dict[str, int] = {"allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0}
+_world_sizes: Dict[str, int] = {}
 graphs: List[Dict[str, List[str]]] = []
 
 
@@ -155,7 +160,158 @@ def _patterns() -> PatternMatcherPass:
         register_graph_pattern(
             MultiOutputPattern([norm, plain]), extra_check=_check, pass_dict=patterns
         )(_rewrite)
+    _register_qk(patterns)
     return patterns
+
+
+# --- MiniMax-M2's QK norm: per-rank mean squares of q and k, one all-reduce of both (cat'd),
+# divided by the world size, normalized, weighted, back to the input dtype. q and k are either
+# getitems 0 and 1 of qkv.split([q_size, kv_size, kv_size], -1) (single split) or last-dim
+# slices of qkv (separate splits).
+
+
+def _last_dim(dims, ndim: int) -> bool:
+    dims = [int(d) for d in dims] if isinstance(dims, (list, tuple)) else [int(dims)]
+    return dims in ([-1], [ndim - 1])
+
+
+def _qkv_source(q: torch.fx.Node, k: torch.fx.Node):
+    """(qkv node, q_size, kv_size) when q and k are the first two parts of one packed qkv."""
+    import operator
+
+    if q.target is operator.getitem and k.target is operator.getitem:
+        split = q.args[0]
+        if (
+            split is k.args[0]
+            and q.args[1] == 0
+            and k.args[1] == 1
+            and split.target == aten.split_with_sizes.default
+        ):
+            qkv, sizes = split.args[0], list(split.args[1])
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+            value = qkv.meta.get("val")
+            if (
+                value is not None
+                and len(sizes) == 3
+                and sizes[1] == sizes[2]
+                and _last_dim(dim, value.dim())
+            ):
+                return qkv, int(sizes[0]), int(sizes[1])
+        return None
+    if q.target == aten.slice.Tensor and k.target == aten.slice.Tensor:
+        qkv = q.args[0]
+        value = qkv.meta.get("val")
+        if value is None or k.args[0] is not qkv:
+            return None
+        q_dim, q_start, q_end = (list(q.args[1:4]) + [None] * 3)[:3]
+        k_dim, k_start, k_end = (list(k.args[1:4]) + [None] * 3)[:3]
+        if not (_last_dim(q_dim, value.dim()) and _last_dim(k_dim, value.dim())):
+            return None
+        width = value.shape[-1]
+        if q_start not in (0, None) or q_end is None or k_start != q_end or k_end is None:
+            return None
+        q_size, kv_size = int(q_end), int(k_end) - int(q_end)
+        if q_size + 2 * kv_size != width:
+            return None
+        return qkv, q_size, kv_size
+    return None
+
+
+def _check_qk(match: Match) -> bool:
+    kwargs = match.kwargs
+    group = kwargs.get("group")
+    if group not in _teams or kwargs.get("op") != "sum":
+        return False
+    if kwargs["world"] != _world_sizes[group] or kwargs["eps_q"] != kwargs["eps_k"]:
+        return False
+    source = _qkv_source(kwargs["q"], kwargs["k"])
+    if source is None:
+        return False
+    qkv, q_size, kv_size = source
+    value = qkv.meta["val"]
+    if value.dtype not in (torch.bfloat16, torch.float16) or not value.is_contiguous():
+        return False
+    if kwargs["dtype_q"] != value.dtype or kwargs["dtype_k"] != value.dtype:
+        return False
+    for dims in (kwargs["q_dims"], kwargs["k_dims"], kwargs["cat_dim"], kwargs["split_dim"]):
+        if not _last_dim(dims, value.dim()):
+            return False
+    for name, size in (("q_weight", q_size), ("k_weight", kv_size)):
+        weight = kwargs[name].meta.get("val")
+        if weight is None or weight.dtype != value.dtype or tuple(weight.shape) != (size,):
+            return False
+    return True
+
+
+def _rewrite_qk(match: Match, *args, **kwargs) -> None:
+    group = kwargs["group"]
+    handle, world = _teams[group], _world_sizes[group]
+    qkv, q_size, kv_size = _qkv_source(kwargs["q"], kwargs["k"])
+    eps = float(kwargs["eps_q"])
+
+    def replacement(qkv, q_weight, k_weight):
+        rows = qkv.reshape(-1, qkv.shape[-1])
+        # Mean squares over ranks / world == sums over ranks / (width * world): the op's form.
+        q, k = torch.ops.tpfuse.allreduce_qk_rmsnorm.default(
+            handle, rows, q_weight, k_weight, q_size, kv_size, q_size * world, kv_size * world,
+            1, eps, None, None, 0, 0, 0, 0,
+        )
+        return q.view(*qkv.shape[:-1], q_size), k.view(*qkv.shape[:-1], kv_size)
+
+    match.replace_by_example(replacement, [qkv, kwargs["q_weight"], kwargs["k_weight"]])
+    stats["allreduce_qk_rmsnorm"] += 1
+
+
+def _register_qk(patterns: PatternMatcherPass) -> None:
+    import operator
+
+    def mean_square(upcast, dims):
+        return CallFunction(
+            aten.mean.dim, CallFunction(aten.pow.Tensor_Scalar, upcast, 2), KeywordArg(dims), True
+        )
+
+    qf = CallFunction(prims.convert_element_type.default, KeywordArg("q"), torch.float32, _users=2)
+    kf = CallFunction(prims.convert_element_type.default, KeywordArg("k"), torch.float32, _users=2)
+    both = CallFunction(
+        aten.cat.default, [mean_square(qf, "q_dims"), mean_square(kf, "k_dims")],
+        KeywordArg("cat_dim"),
+    )
+    reduced = CallFunction(
+        c10d.wait_tensor.default,
+        CallFunction(c10d.all_reduce.default, both, KeywordArg("op"), KeywordArg("group")),
+    )
+    variances = CallFunction(
+        aten.split.Tensor,
+        CallFunction(aten.div.Tensor, reduced, KeywordArg("world")),
+        1,
+        KeywordArg("split_dim"),
+        _users=2,
+    )
+
+    def normalized(upcast, index, eps, weight, dtype):
+        rstd = CallFunction(
+            aten.rsqrt.default,
+            CallFunction(
+                [aten.add.Tensor, aten.add.Scalar],
+                CallFunction(operator.getitem, variances, index),
+                KeywordArg(eps),
+            ),
+        )
+        return CallFunction(
+            prims.convert_element_type.default,
+            CallFunction(
+                aten.mul.Tensor, CallFunction(aten.mul.Tensor, upcast, rstd), KeywordArg(weight)
+            ),
+            KeywordArg(dtype),
+        )
+
+    pattern = MultiOutputPattern(
+        [
+            normalized(qf, 0, "eps_q", "q_weight", "dtype_q"),
+            normalized(kf, 1, "eps_k", "k_weight", "dtype_k"),
+        ]
+    )
+    register_graph_pattern(pattern, extra_check=_check_qk, pass_dict=patterns)(_rewrite_qk)
 
 
 class _Pass(CustomGraphPass):
@@ -179,9 +335,11 @@ def install(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None
 
     group = group if group is not None else dist.group.WORLD
     _teams[group.group_name] = team.handle
+    _world_sizes[group.group_name] = team.world_size
     inductor_config.post_grad_custom_post_pass = _Pass()
 
 
 def uninstall() -> None:
     _teams.clear()
+    _world_sizes.clear()
     inductor_config.post_grad_custom_post_pass = None

@@ -139,5 +139,58 @@ class Passes(unittest.TestCase):
         self.check_close(got, expected)
 
 
+    def check_qk(self, model, qkv, q_weight, k_weight, sites=1):
+        torch._dynamo.reset()
+        passes.stats["allreduce_qk_rmsnorm"] = 0
+        passes.graphs.clear()
+        expected = model(qkv, q_weight, k_weight)
+        got = torch.compile(model, fullgraph=True)(qkv, q_weight, k_weight)
+        self.assertEqual(passes.stats["allreduce_qk_rmsnorm"], sites)
+        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(after.count(ALL_REDUCE), 0, after)
+        self.assertEqual(after.count("tpfuse.allreduce_qk_rmsnorm.default"), sites, after)
+        self.check_close(got, expected)
+
+    def test_minimax_qk_norm_single_split(self):
+        q_size, kv_size = 256, 64
+
+        def model(qkv, q_weight, k_weight):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return qk_norm(q, k, q_weight, k_weight, 1e-6) + (v * 2,)
+
+        generator = torch.Generator().manual_seed(3)
+        qkv = torch.randn(5, q_size + 2 * kv_size, generator=generator).to(torch.bfloat16)
+        q_weight = (1 + 0.1 * torch.randn(q_size, generator=generator)).to(torch.bfloat16)
+        k_weight = (1 + 0.1 * torch.randn(kv_size, generator=generator)).to(torch.bfloat16)
+        self.check_qk(model, qkv, q_weight, k_weight)
+        self.check_qk(model, qkv.view(1, 5, -1), q_weight, k_weight)
+
+    def test_minimax_qk_norm_separate_slices(self):
+        q_size, kv_size = 128, 128
+
+        def model(qkv, q_weight, k_weight):
+            q = qkv[..., :q_size]
+            k = qkv[..., q_size : q_size + kv_size]
+            return qk_norm(q, k, q_weight, k_weight, 1e-5)
+
+        qkv = torch.randn(3, q_size + 2 * kv_size).to(torch.float16)
+        self.check_qk(
+            model, qkv, torch.ones(q_size, dtype=torch.float16), torch.ones(kv_size, dtype=torch.float16)
+        )
+
+
+def qk_norm(q, k, q_weight, k_weight, eps, world=1):
+    """MiniMax-M2's QK norm as a TP engine writes it: one all-reduce of both mean squares."""
+    dtype = q.dtype
+    q, k = q.float(), k.float()
+    q_var = q.pow(2).mean(dim=-1, keepdim=True)
+    k_var = k.pow(2).mean(dim=-1, keepdim=True)
+    variance = funcol.all_reduce(torch.cat([q_var, k_var], dim=-1), "sum", dist.group.WORLD) / world
+    q_var, k_var = variance.chunk(2, dim=-1)
+    q = q * torch.rsqrt(q_var + eps) * q_weight
+    k = k * torch.rsqrt(k_var + eps) * k_weight
+    return q.to(dtype), k.to(dtype)
+
+
 if __name__ == "__main__":
     unittest.main()
