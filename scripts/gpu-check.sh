@@ -2,7 +2,10 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench python" scripts/gpu-check.sh
+#
+# python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
+# passes under CUDA graphs) and bench/torch_host_overhead.py.
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -70,6 +73,14 @@ if [[ " $STEPS " == *" bench "* ]]; then
   step bench
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
   python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
+fi
+if [[ " $STEPS " == *" python "* ]]; then
+  step python
+  export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
+  timeout 400 python3 -m unittest discover -s tests/python -v >"$OUT/python.log" 2>&1 || status=1
+  tail -5 "$OUT/python.log"
+  timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
+    tee -a "$OUT/python.log" || status=1
 fi
 step done "status $status"
 exit $status
