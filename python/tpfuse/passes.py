@@ -328,15 +328,23 @@ class _Pass(CustomGraphPass):
         return hashlib.sha256(b"tpfuse.passes/1" + key).digest()
 
 
-def install(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
-    """Rewrites, in graphs compiled from now on, all-reduces over `group` (default: the world)
-    followed by add + RMSNorm into tpfuse ops on `team`."""
+def make_pass(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> CustomGraphPass:
+    """The pass for `team` over `group` (default: the world), as a callable on an FX graph, for a
+    pass manager that runs its own list (e.g. vLLM's post-grad pass manager, which already owns
+    Inductor's post_grad_custom_post_pass hook: add this object to it instead of install())."""
     import torch.distributed as dist
 
     group = group if group is not None else dist.group.WORLD
     _teams[group.group_name] = team.handle
     _world_sizes[group.group_name] = team.world_size
-    inductor_config.post_grad_custom_post_pass = _Pass()
+    return _Pass()
+
+
+def install(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
+    """Rewrites, in graphs compiled from now on, all-reduces over `group` (default: the world)
+    followed by add + RMSNorm, and the QK norm, into tpfuse ops on `team`: sets Inductor's
+    post_grad_custom_post_pass (replacing whatever was there)."""
+    inductor_config.post_grad_custom_post_pass = make_pass(team, group)
 
 
 def uninstall() -> None:

@@ -51,6 +51,15 @@ class Team:
             raise RuntimeError("tpfuse.Team.from_group: needs CUDA (use cpu_team for the CPU backend)")
         rank = dist.get_rank(group)
         device = torch.cuda.current_device()
+        # Every rank on its own GPU: two ranks on one device would fail inside NCCL.
+        devices = [None] * world_size
+        dist.all_gather_object(devices, device, group=group)
+        for other, other_device in enumerate(devices):
+            if other != rank and other_device == device:
+                raise ValueError(
+                    f"tpfuse.Team.from_group: ranks {min(rank, other)} and {max(rank, other)} "
+                    f"both use cuda:{device}; call torch.cuda.set_device(<this rank's GPU>) first"
+                )
         unique_id = [torch.ops.tpfuse.create_unique_id() if rank == 0 else None]
         dist.broadcast_object_list(unique_id, group=group, group_src=0)
         handle = torch.ops.tpfuse.create_nccl_team(
