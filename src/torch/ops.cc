@@ -28,9 +28,12 @@ namespace {
 // Teams by handle. Handles are never reused; release_team drops the registry's reference.
 class Registry {
  public:
+  // Never destroyed: releasing a multi-process team is collective (NCCL window deregistration),
+  // and static destructors at interpreter exit run on each rank alone. Teams still registered
+  // then go with the process.
   static Registry& instance() {
-    static Registry registry;
-    return registry;
+    static Registry* registry = new Registry;
+    return *registry;
   }
   int64_t add(Team team) {
     std::lock_guard<std::mutex> lock(mutex_);
