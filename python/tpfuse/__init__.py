@@ -23,6 +23,7 @@ from .ops import (  # noqa: E402  (the library must be loaded first)
     RopeStyle,
     allreduce,
     allreduce_add_rmsnorm,
+    allreduce_add_rmsnorm_,
     allreduce_qk_rmsnorm,
 )
 from .team import Team, cpu_team, cuda_team  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "Team",
     "allreduce",
     "allreduce_add_rmsnorm",
+    "allreduce_add_rmsnorm_",
     "allreduce_qk_rmsnorm",
     "cpu_team",
     "cuda_team",

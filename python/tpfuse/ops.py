@@ -45,6 +45,21 @@ def allreduce_add_rmsnorm(
     )
 
 
+def allreduce_add_rmsnorm_(
+    team: Union[Team, int],
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    algorithm: Union[str, int] = "auto",
+) -> None:
+    """In place, as engines' fused add + RMSNorm: residual <- all-reduce(input) + residual,
+    input <- rmsnorm(residual) * weight."""
+    torch.ops.tpfuse.allreduce_add_rmsnorm_(
+        _handle(team), input, residual, weight, eps, _algorithm(algorithm)
+    )
+
+
 def allreduce(
     team: Union[Team, int], input: torch.Tensor, algorithm: Union[str, int] = "auto"
 ) -> torch.Tensor:

@@ -168,6 +168,36 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
   return {norm_out, residual_out};
 }
 
+// In place, as engines call their fused add + RMSNorm: input <- norm, residual <- sum + residual.
+void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
+                            const at::Tensor& gamma, double eps, int64_t algorithm) {
+  const char* op = "allreduce_add_rmsnorm_";
+  const Team team = Registry::instance().get(team_handle, op);
+  TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
+              input.sizes());
+  const DType dtype = dtype_of(input, op, "input");
+  check_like(input, input, op, "input");
+  check_like(residual, input, op, "residual");
+  check_like(gamma, input, op, "gamma");
+  TORCH_CHECK(residual.sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
+              input.sizes(), ", got ", residual.sizes());
+  TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
+              ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
+  AddRmsNormArgs args;
+  args.input = input.data_ptr();
+  args.residual = residual.data_ptr();
+  args.gamma = gamma.data_ptr();
+  args.residual_out = residual.data_ptr();
+  args.norm_out = input.data_ptr();
+  args.tokens = input.size(0);
+  args.hidden = input.size(1);
+  args.dtype = dtype;
+  args.eps = float(eps);
+  args.algorithm = algorithm_of(algorithm, op);
+  const cudaStream_t stream = stream_for(team, input, op);
+  on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
+}
+
 at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {
   const char* op = "allreduce";
   const Team team = Registry::instance().get(team_handle, op);
@@ -246,6 +276,9 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(int64_t, const at:
   return {at::empty_like(input), at::empty_like(input)};
 }
 
+void allreduce_add_rmsnorm__meta(int64_t, at::Tensor&, at::Tensor&, const at::Tensor&, double,
+                                 int64_t) {}
+
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
   return at::empty_like(input);
 }
@@ -322,6 +355,9 @@ TORCH_LIBRARY(tpfuse, m) {
   m.def(
       "allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor gamma, float eps, "
       "int algorithm=0) -> (Tensor norm_out, Tensor residual_out)");
+  m.def(
+      "allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor gamma, "
+      "float eps, int algorithm=0) -> ()");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(
       "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_gamma, Tensor k_gamma, int q_size, "
@@ -345,6 +381,7 @@ TORCH_LIBRARY(tpfuse, m) {
 TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
+  m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -353,6 +390,7 @@ TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
 TORCH_LIBRARY_IMPL(tpfuse, CUDA, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
+  m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -361,6 +399,7 @@ TORCH_LIBRARY_IMPL(tpfuse, CUDA, m) {
 TORCH_LIBRARY_IMPL(tpfuse, Meta, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm_meta);
+  m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm__meta);
   m.impl("allreduce", &allreduce_meta);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm_meta);
 }

@@ -86,6 +86,26 @@ class AddRmsNorm(unittest.TestCase):
             for team in teams:
                 team.close()
 
+    def test_in_place_form_gives_the_functional_bits(self):
+        teams = tpfuse.cpu_team(2)
+        generator = torch.Generator().manual_seed(4)
+        inputs = [torch.randn(3, 128, generator=generator).to(torch.bfloat16) for _ in range(2)]
+        residual = torch.randn(3, 128, generator=generator).to(torch.bfloat16)
+        weight = torch.ones(128, dtype=torch.bfloat16)
+        functional = on_every_rank(
+            teams, lambda r, t: tpfuse.allreduce_add_rmsnorm(t, inputs[r], residual, weight, 1e-6)
+        )
+        buffers = [(inputs[r].clone(), residual.clone()) for r in range(2)]
+        on_every_rank(
+            teams,
+            lambda r, t: tpfuse.allreduce_add_rmsnorm_(t, buffers[r][0], buffers[r][1], weight, 1e-6),
+        )
+        for rank in range(2):
+            self.assertTrue(torch.equal(buffers[rank][0], functional[rank][0]))
+            self.assertTrue(torch.equal(buffers[rank][1], functional[rank][1]))
+        for team in teams:
+            team.close()
+
     def test_allreduce_sums_in_rank_order(self):
         teams = tpfuse.cpu_team(3)
         inputs = [torch.full((4, 16), float(r + 1), dtype=torch.float32) for r in range(3)]
@@ -167,6 +187,10 @@ class Compile(unittest.TestCase):
             torch.ops.tpfuse.allreduce_add_rmsnorm.default, (self.team.handle, x, x, weight, 1e-6, 0)
         )
         torch.library.opcheck(torch.ops.tpfuse.allreduce.default, (self.team.handle, x, 0))
+        torch.library.opcheck(
+            torch.ops.tpfuse.allreduce_add_rmsnorm_.default,
+            (self.team.handle, x.clone(), x.clone(), weight, 1e-6, 0),
+        )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(
             torch.ops.tpfuse.allreduce_qk_rmsnorm.default,
