@@ -131,12 +131,10 @@ Algorithm algorithm_of(int64_t value, const char* op) {
 
 // --- the fused ops: real kernels ---
 
-std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
-                                                         const at::Tensor& input,
-                                                         const std::optional<at::Tensor>& residual,
-                                                         const at::Tensor& gamma, double eps,
-                                                         int64_t algorithm) {
-  const char* op = "allreduce_add_rmsnorm";
+// Checks an add-RMSNorm call's tensors and runs it into the given outputs.
+void run_add_rmsnorm(int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
+                     const at::Tensor& gamma, double eps, int64_t algorithm,
+                     const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op) {
   const Team team = Registry::instance().get(team_handle, op);
   TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
               input.sizes());
@@ -145,16 +143,14 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
   check_like(gamma, input, op, "gamma");
   TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
               ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
-  if (residual) {
+  if (residual != nullptr) {
     check_like(*residual, input, op, "residual");
     TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
                 input.sizes(), ", got ", residual->sizes());
   }
-  at::Tensor norm_out = at::empty_like(input);
-  at::Tensor residual_out = at::empty_like(input);
   AddRmsNormArgs args;
   args.input = input.data_ptr();
-  args.residual = residual ? residual->data_ptr() : nullptr;
+  args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
   args.gamma = gamma.data_ptr();
   args.residual_out = residual_out.data_ptr();
   args.norm_out = norm_out.data_ptr();
@@ -165,37 +161,25 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
   args.algorithm = algorithm_of(algorithm, op);
   const cudaStream_t stream = stream_for(team, input, op);
   on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
+}
+
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
+                                                         const at::Tensor& input,
+                                                         const std::optional<at::Tensor>& residual,
+                                                         const at::Tensor& gamma, double eps,
+                                                         int64_t algorithm) {
+  at::Tensor norm_out = at::empty_like(input);
+  at::Tensor residual_out = at::empty_like(input);
+  run_add_rmsnorm(team_handle, input, residual ? &*residual : nullptr, gamma, eps, algorithm,
+                  norm_out, residual_out, "allreduce_add_rmsnorm");
   return {norm_out, residual_out};
 }
 
 // In place, as engines call their fused add + RMSNorm: input <- norm, residual <- sum + residual.
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
                             const at::Tensor& gamma, double eps, int64_t algorithm) {
-  const char* op = "allreduce_add_rmsnorm_";
-  const Team team = Registry::instance().get(team_handle, op);
-  TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
-              input.sizes());
-  const DType dtype = dtype_of(input, op, "input");
-  check_like(input, input, op, "input");
-  check_like(residual, input, op, "residual");
-  check_like(gamma, input, op, "gamma");
-  TORCH_CHECK(residual.sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
-              input.sizes(), ", got ", residual.sizes());
-  TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
-              ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
-  AddRmsNormArgs args;
-  args.input = input.data_ptr();
-  args.residual = residual.data_ptr();
-  args.gamma = gamma.data_ptr();
-  args.residual_out = residual.data_ptr();
-  args.norm_out = input.data_ptr();
-  args.tokens = input.size(0);
-  args.hidden = input.size(1);
-  args.dtype = dtype;
-  args.eps = float(eps);
-  args.algorithm = algorithm_of(algorithm, op);
-  const cudaStream_t stream = stream_for(team, input, op);
-  on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
+  run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, input, residual,
+                  "allreduce_add_rmsnorm_");
 }
 
 at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {
