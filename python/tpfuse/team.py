@@ -51,6 +51,12 @@ class Team:
             raise RuntimeError("tpfuse.Team.from_group: needs CUDA (use cpu_team for the CPU backend)")
         rank = dist.get_rank(group)
         device = torch.cuda.current_device()
+        bound = getattr(group, "bound_device_id", None)
+        if bound is not None and bound.index is not None and bound.index != device:
+            raise ValueError(
+                f"tpfuse.Team.from_group: the current device is cuda:{device} but the group is "
+                f"bound to cuda:{bound.index}; call torch.cuda.set_device({bound.index}) first"
+            )
         # Every rank on its own GPU: two ranks on one device would fail inside NCCL.
         devices = [None] * world_size
         dist.all_gather_object(devices, device, group=group)
