@@ -171,6 +171,65 @@ class QkRmsNorm(unittest.TestCase):
             team.close()
 
 
+class QkRope(unittest.TestCase):
+    def test_neox_partial_rope_matches_float64(self):
+        generator = torch.Generator().manual_seed(5)
+        world, heads, kv_heads, head_dim, rotary_dim, tokens = 2, 2, 1, 64, 32, 4
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        teams = tpfuse.cpu_team(world)
+        qkv = [
+            torch.randn(tokens, q_size + 2 * kv_size, generator=generator).to(torch.bfloat16)
+            for _ in range(world)
+        ]
+        ones_q = torch.ones(q_size, dtype=torch.bfloat16)
+        ones_k = torch.ones(kv_size, dtype=torch.bfloat16)
+        max_position = 16
+        angles = torch.arange(max_position, dtype=torch.float64)[:, None] * (
+            10000.0 ** (-torch.arange(rotary_dim // 2, dtype=torch.float64) * 2 / rotary_dim)
+        )
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+        positions = torch.tensor([3, 0, 15, 7], dtype=torch.int64)
+        out = on_every_rank(
+            teams,
+            lambda r, t: tpfuse.allreduce_qk_rmsnorm(
+                t, qkv[r], ones_q, ones_k, q_size, kv_size, q_size * world, kv_size * world,
+                1e-6, positions=positions, cos_sin_cache=cos_sin, head_dim=head_dim,
+                rotary_dim=rotary_dim, rope_style=tpfuse.RopeStyle.NEOX,
+            ),
+        )
+        q_all = torch.cat([x[:, :q_size].double() for x in qkv], dim=1)
+        q_rstd = torch.rsqrt(q_all.pow(2).mean(-1, keepdim=True) + 1e-6)
+        cos = cos_sin.double()[positions, : rotary_dim // 2][:, None, :]
+        sin = cos_sin.double()[positions, rotary_dim // 2 :][:, None, :]
+        for rank in range(world):
+            q = (qkv[rank][:, :q_size].double() * q_rstd).view(tokens, heads, head_dim)
+            x1, x2 = q[..., : rotary_dim // 2], q[..., rotary_dim // 2 : rotary_dim]
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, q[..., rotary_dim:]], -1)
+            torch.testing.assert_close(
+                out[rank][0].double(), rotated.reshape(tokens, q_size), atol=3e-2, rtol=3e-2
+            )
+        (alone,) = tpfuse.cpu_team(1)
+        with self.assertRaisesRegex(RuntimeError, "positions or cos_sin_cache is missing"):
+            tpfuse.allreduce_qk_rmsnorm(
+                alone, qkv[0], ones_q, ones_k, q_size, kv_size, q_size, kv_size, 1e-6,
+                rope_style=tpfuse.RopeStyle.NEOX, head_dim=head_dim, rotary_dim=rotary_dim,
+            )
+        with self.assertRaisesRegex(RuntimeError, r"cos_sin_cache must be .* \[max_position, 30\]"):
+            tpfuse.allreduce_qk_rmsnorm(
+                alone, qkv[0], ones_q, ones_k, q_size, kv_size, q_size, kv_size, 1e-6,
+                positions=positions, cos_sin_cache=cos_sin, head_dim=head_dim, rotary_dim=30,
+                rope_style=tpfuse.RopeStyle.NEOX,
+            )
+        with self.assertRaisesRegex(RuntimeError, "rotary_dim must be even"):
+            tpfuse.allreduce_qk_rmsnorm(
+                alone, qkv[0], ones_q, ones_k, q_size, kv_size, q_size, kv_size, 1e-6,
+                positions=positions, cos_sin_cache=torch.zeros(16, 33), head_dim=head_dim,
+                rotary_dim=33, rope_style=tpfuse.RopeStyle.NEOX,
+            )
+        for team in teams + [alone]:
+            team.close()
+
+
 class Compile(unittest.TestCase):
     """A team of one rank runs alone, so the ops can be checked and compiled without threads."""
 
