@@ -147,7 +147,14 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   TPF_CHECK_CUDA(cudaGetDevice(&previous));
   auto memory = std::make_shared<impl::CudaTeamMemory>();
   // NCCL communicators for the NCCL path (in-process: one per device, ncclCommInitAll).
-  memory->comms = impl::create_in_process_comms(devices);
+  // A team without them still runs its fused kernels: NCCL failing here costs only the NCCL path
+  // (calls that need it then say why).
+  std::string nccl_error;
+  try {
+    memory->comms = impl::create_in_process_comms(devices);
+  } catch (const Error& error) {
+    nccl_error = error.what();
+  }
 
   std::string fallback_reason;
   if (!options.peer_stores) fallback_reason = "TeamOptions::peer_stores is false";
@@ -163,7 +170,9 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     }
   }
   if (!fallback_reason.empty() && memory->comms.empty()) {
-    TPF_CHECK_ARG(false, op, fallback_reason << ", and this build has no NCCL to fall back on");
+    TPF_CHECK_ARG(false, op,
+                  fallback_reason << ", and there is no NCCL to fall back on"
+                                  << (nccl_error.empty() ? " in this build" : ": " + nccl_error));
   }
   const bool peer_stores = fallback_reason.empty();
   if (peer_stores) {
@@ -228,7 +237,8 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     fallback_reason =
         impl::handshake_verdict(masks.data(), world_size, options.handshake_timeout_seconds);
     if (!fallback_reason.empty() && memory->comms.empty()) {
-      TPF_FAIL(op << ": " << fallback_reason << ", and this build has no NCCL to fall back on");
+      TPF_FAIL(op << ": " << fallback_reason << ", and there is no NCCL to fall back on"
+                  << (nccl_error.empty() ? " in this build" : ": " + nccl_error));
     }
   }
   std::string device_name;
