@@ -197,6 +197,34 @@ struct AlignedBuffer {
   void* data = nullptr;
 };
 
+// The QK norm at MiniMax-M2's attention shapes, for both modes: 48 query heads and 8 KV heads of
+// 128, partial RoPE (neox) over 64 dims, rope theta 5e6.
+constexpr int64_t kQkHeads = 48;
+constexpr int64_t kQkKvHeads = 8;
+constexpr int64_t kQkHeadDim = 128;
+constexpr int64_t kQkRotaryDim = 64;
+constexpr int64_t kQkMaxPosition = 4096;
+
+// One rank's slice at a world size (KV heads replicated when the world is larger than 8);
+// `valid` is false when the query heads do not divide over the world.
+struct QkShape {
+  int64_t q_size = 0;
+  int64_t kv_size = 0;
+  int kv_replicas = 1;
+  bool valid = false;
+};
+QkShape minimax_qk_shape(int world_size);
+
+// The call on a packed qkv of `tokens` rows (gamma serves q and k), with RoPE when positions and
+// the cos|sin cache are given.
+QkNormArgs minimax_qk_args(const QkShape& shape, void* qkv, const void* gamma, int64_t tokens,
+                           DType dtype, const int64_t* positions, const float* cos_sin);
+
+// Host copies of the RoPE inputs: positions spread over the cache, and the cache (cos of the
+// rotary_dim / 2 frequencies, then their sin) for every position.
+std::vector<int64_t> qk_positions(int64_t tokens);
+std::vector<float> qk_cos_sin_cache();
+
 // Modes. Each fills `info` with the device fields and returns the records in measuring order.
 std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info);
 std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info);

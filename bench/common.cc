@@ -126,4 +126,59 @@ AlignedBuffer::~AlignedBuffer() {
   std::free(data);
 }
 
+QkShape minimax_qk_shape(int world_size) {
+  QkShape shape;
+  shape.valid = world_size >= 1 && kQkHeads % world_size == 0;
+  if (!shape.valid) return shape;
+  shape.kv_replicas = world_size > kQkKvHeads ? int(world_size / kQkKvHeads) : 1;
+  shape.q_size = kQkHeads / world_size * kQkHeadDim;
+  shape.kv_size = std::max<int64_t>(1, kQkKvHeads / world_size) * kQkHeadDim;
+  return shape;
+}
+
+QkNormArgs minimax_qk_args(const QkShape& shape, void* qkv, const void* gamma, int64_t tokens,
+                           DType dtype, const int64_t* positions, const float* cos_sin) {
+  QkNormArgs args;
+  args.qkv = qkv;
+  args.q_gamma = gamma;
+  args.k_gamma = gamma;
+  args.tokens = tokens;
+  args.q_size = shape.q_size;
+  args.kv_size = shape.kv_size;
+  args.q_global_size = kQkHeads * kQkHeadDim;
+  args.k_global_size = kQkKvHeads * kQkHeadDim;
+  args.kv_replicas = shape.kv_replicas;
+  args.dtype = dtype;
+  args.eps = kEps;
+  if (positions != nullptr) {
+    args.rope = RopeStyle::kNeox;
+    args.head_dim = kQkHeadDim;
+    args.rotary_dim = kQkRotaryDim;
+    args.positions = positions;
+    args.cos_sin_cache = cos_sin;
+    args.max_position = kQkMaxPosition;
+  }
+  return args;
+}
+
+std::vector<int64_t> qk_positions(int64_t tokens) {
+  std::vector<int64_t> positions(size_t(std::max<int64_t>(tokens, 1)));
+  for (size_t t = 0; t < positions.size(); ++t) {
+    positions[t] = int64_t((t * 7919) % kQkMaxPosition);
+  }
+  return positions;
+}
+
+std::vector<float> qk_cos_sin_cache() {
+  std::vector<float> cos_sin(size_t(kQkMaxPosition * kQkRotaryDim));
+  for (int64_t p = 0; p < kQkMaxPosition; ++p) {
+    for (int64_t i = 0; i < kQkRotaryDim / 2; ++i) {
+      const double angle = double(p) * std::pow(5e6, -2.0 * double(i) / double(kQkRotaryDim));
+      cos_sin[size_t(p * kQkRotaryDim + i)] = float(std::cos(angle));
+      cos_sin[size_t(p * kQkRotaryDim + kQkRotaryDim / 2 + i)] = float(std::sin(angle));
+    }
+  }
+  return cos_sin;
+}
+
 }  // namespace tpfuse::bench

@@ -158,46 +158,25 @@ void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
   // The QK norm at MiniMax-M2's shapes for this world size (48 query heads, 8 KV heads of 128,
   // KV heads replicated beyond 8 ranks), in place in the input rows, with and without RoPE.
   const int world = team.world_size();
-  constexpr int64_t kHeads = 48, kKvHeads = 8, kHeadDim = 128, kRotaryDim = 64, kMaxPosition = 4096;
-  if (kHeads % world != 0) return;
-  const int kv_replicas = world > kKvHeads ? int(world / kKvHeads) : 1;
-  const int64_t q_size = kHeads / world * kHeadDim;
-  const int64_t kv_size = std::max<int64_t>(1, kKvHeads / world) * kHeadDim;
-  const int64_t row = q_size + 2 * kv_size;
-  std::vector<int64_t> positions(size_t(plan.max_tokens));
-  for (size_t t = 0; t < positions.size(); ++t) positions[t] = int64_t((t * 7919) % kMaxPosition);
-  std::vector<float> cos_sin(size_t(kMaxPosition * kRotaryDim), 0.5f);
-  AlignedBuffer qk_gamma(size_t(std::max(q_size, kv_size)) * dtype_size(plan.dtype));
-  fill_random_host(qk_gamma.data, std::max(q_size, kv_size), plan.dtype, 5, 0.5f, 1.5f);
+  const QkShape shape = minimax_qk_shape(world);
+  if (!shape.valid) return;
+  const int64_t row = shape.q_size + 2 * shape.kv_size;
+  const std::vector<int64_t> positions = qk_positions(plan.max_tokens);
+  const std::vector<float> cos_sin = qk_cos_sin_cache();
+  const int64_t gamma_size = std::max(shape.q_size, shape.kv_size);
+  AlignedBuffer qk_gamma(size_t(gamma_size) * dtype_size(plan.dtype));
+  fill_random_host(qk_gamma.data, gamma_size, plan.dtype, 5, 0.5f, 1.5f);
   for (int64_t tokens = 1; tokens <= plan.max_tokens; tokens *= 2) {
     if (size_t(tokens * row) * dtype_size(plan.dtype) > plan.buffer_bytes) break;
     for (const bool rope : {false, true}) {
       const double us = measure_batches(barrier, plan, true, sets, [&](const auto& set) {
-        QkNormArgs args;
-        args.qkv = set.input.data;
-        args.q_gamma = qk_gamma.data;
-        args.k_gamma = qk_gamma.data;
-        args.tokens = tokens;
-        args.q_size = q_size;
-        args.kv_size = kv_size;
-        args.q_global_size = kHeads * kHeadDim;
-        args.k_global_size = kKvHeads * kHeadDim;
-        args.kv_replicas = kv_replicas;
-        args.dtype = plan.dtype;
-        args.eps = kEps;
-        if (rope) {
-          args.rope = RopeStyle::kNeox;
-          args.head_dim = kHeadDim;
-          args.rotary_dim = kRotaryDim;
-          args.positions = positions.data();
-          args.cos_sin_cache = cos_sin.data();
-          args.max_position = kMaxPosition;
-        }
-        allreduce_qk_rmsnorm(team, args);
+        allreduce_qk_rmsnorm(
+            team, minimax_qk_args(shape, set.input.data, qk_gamma.data, tokens, plan.dtype,
+                                  rope ? positions.data() : nullptr, cos_sin.data()));
       });
       team.check();
       add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope_cpu" : "tpfuse_fused_cpu",
-          q_size + kv_size, tokens, world, us);
+          shape.q_size + shape.kv_size, tokens, world, us);
     }
   }
 }

@@ -40,6 +40,9 @@
 
 #include "bench.h"
 #include "common/error.h"
+#if TPFUSE_BENCH_NCCL
+#include "common/nccl_types.h"
+#endif
 #include "gpu_kernels.h"
 
 extern char** environ;
@@ -86,14 +89,6 @@ struct DeviceBufferSet {
   void* norm_out = nullptr;
 };
 
-// What every rank thread measures: widths with their token counts, and buffer sizes.
-// MiniMax-M2's attention: 48 query heads and 8 KV heads of 128, partial RoPE over 64 dims.
-constexpr int64_t kQkHeads = 48;
-constexpr int64_t kQkKvHeads = 8;
-constexpr int64_t kQkHeadDim = 128;
-constexpr int64_t kQkRotaryDim = 64;
-constexpr int64_t kQkMaxPosition = 4096;
-
 // The GPU mode also records whether the library launches with PDL.
 struct GpuPlan : BenchPlan {
   bool pdl = true;
@@ -111,17 +106,6 @@ std::string version_string(int version, int major_divisor, int minor_divisor) {
 }
 
 #if TPFUSE_BENCH_NCCL
-ncclDataType_t nccl_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return ncclFloat32;
-    case DType::kFloat16:
-      return ncclFloat16;
-    case DType::kBFloat16:
-      return ncclBfloat16;
-  }
-  TPF_FAIL("no NCCL type for dtype " << int(dtype));
-}
 
 std::string nccl_version_string() {
   int version = 0;
@@ -244,17 +228,8 @@ class GpuRank {
     gamma_ = allocate(size_t(plan.max_hidden) * dtype_size(plan.dtype));
     fill_random_device(gamma_, plan.max_hidden, plan.dtype, kSeedGamma, 0.5f, 1.5f, stream_);
     // The QK-norm rows: RoPE positions (spread over the cache), the cos|sin cache, [T,2] sums.
-    std::vector<int64_t> positions(size_t(plan.max_tokens));
-    for (size_t t = 0; t < positions.size(); ++t)
-      positions[t] = int64_t((t * 7919) % kQkMaxPosition);
-    std::vector<float> cos_sin(size_t(kQkMaxPosition * kQkRotaryDim));
-    for (int64_t p = 0; p < kQkMaxPosition; ++p) {
-      for (int64_t i = 0; i < kQkRotaryDim / 2; ++i) {
-        const double angle = double(p) * std::pow(5e6, -2.0 * double(i) / double(kQkRotaryDim));
-        cos_sin[size_t(p * kQkRotaryDim + i)] = float(std::cos(angle));
-        cos_sin[size_t(p * kQkRotaryDim + kQkRotaryDim / 2 + i)] = float(std::sin(angle));
-      }
-    }
+    const std::vector<int64_t> positions = qk_positions(plan.max_tokens);
+    const std::vector<float> cos_sin = qk_cos_sin_cache();
     positions_ = static_cast<int64_t*>(allocate(positions.size() * sizeof(int64_t)));
     cos_sin_ = static_cast<float*>(allocate(cos_sin.size() * sizeof(float)));
     sums_ = static_cast<float*>(allocate(size_t(plan.max_tokens) * 2 * sizeof(float)));
@@ -411,7 +386,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
       // unfused model runs it (out-of-place all-reduce, the norm in place on its output). Being
       // out of place also keeps the inputs from growing replay after replay.
       us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), nccl_type(dtype),
+        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), impl::nccl_type(dtype),
                                      ncclSum, gpu.comm(), stream));
         AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
         args.input = set.norm_out;
@@ -429,7 +404,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
 
 #if TPFUSE_BENCH_NCCL
       us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), nccl_type(dtype),
+        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), impl::nccl_type(dtype),
                                      ncclSum, gpu.comm(), stream));
       });
       note("nccl_ar", add("allreduce", "nccl", hidden, tokens, world_size, us, false));
@@ -453,36 +428,16 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
   // is larger than 8), in place in each buffer set's qkv rows, with and without RoPE: the fused
   // op against its unfused form (sum-of-squares kernel, NCCL all-reduce of the [T, 2] fp32 sums,
   // norm kernel), which computes the same bits.
-  const int kv_replicas = world_size > kQkKvHeads ? int(world_size / kQkKvHeads) : 1;
-  const int64_t q_size = kQkHeads / world_size * kQkHeadDim;
-  const int64_t kv_size = std::max<int64_t>(1, kQkKvHeads / world_size) * kQkHeadDim;
+  const QkShape shape = minimax_qk_shape(world_size);
+  const int64_t q_size = shape.q_size, kv_size = shape.kv_size;
   const int64_t qk_row = q_size + 2 * kv_size;
-  if (kQkHeads % world_size != 0 || q_size > plan.max_hidden) return;
+  if (!shape.valid || q_size > plan.max_hidden) return;
   for (int64_t tokens = 1; tokens <= plan.max_tokens; tokens *= 2) {
     if (size_t(tokens * qk_row) * dtype_size(dtype) > plan.buffer_bytes) break;
     for (const bool rope : {false, true}) {
       const auto qk_args = [&](const DeviceBufferSet& set) {
-        QkNormArgs args;
-        args.qkv = set.input;
-        args.q_gamma = gpu.gamma();
-        args.k_gamma = gpu.gamma();
-        args.tokens = tokens;
-        args.q_size = q_size;
-        args.kv_size = kv_size;
-        args.q_global_size = kQkHeads * kQkHeadDim;
-        args.k_global_size = kQkKvHeads * kQkHeadDim;
-        args.kv_replicas = kv_replicas;
-        args.dtype = dtype;
-        args.eps = kEps;
-        if (rope) {
-          args.rope = RopeStyle::kNeox;
-          args.head_dim = kQkHeadDim;
-          args.rotary_dim = kQkRotaryDim;
-          args.positions = gpu.positions();
-          args.cos_sin_cache = gpu.cos_sin();
-          args.max_position = kQkMaxPosition;
-        }
-        return args;
+        return minimax_qk_args(shape, set.input, gpu.gamma(), tokens, dtype,
+                               rope ? gpu.positions() : nullptr, gpu.cos_sin());
       };
       double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
         allreduce_qk_rmsnorm(team, qk_args(set), stream);
@@ -491,7 +446,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
       add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope" : "tpfuse_fused", q_size + kv_size,
           tokens, world_size, us, true);
 #if TPFUSE_BENCH_NCCL
-      const bool count_k = gpu.rank() % kv_replicas == 0;
+      const bool count_k = gpu.rank() % shape.kv_replicas == 0;
       double unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
         const QkNormArgs args = qk_args(set);
         qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);

@@ -118,13 +118,27 @@ std::vector<SelectionRule> parse_selection_table(const std::string& text,
   return rules;
 }
 
-Algorithm table_algorithm(const std::string& device_name, int world_size, uint64_t bytes) {
+std::vector<SelectionStep> selection_for(const std::string& device_name, int world_size) {
+  std::vector<SelectionStep> steps;
   for (const SelectionRule& rule : selection_table()) {
     if (rule.device != "*" && rule.device != device_name) continue;
     if (rule.world_size != 0 && rule.world_size != world_size) continue;
-    if (bytes <= rule.max_bytes) return rule.algorithm;
+    steps.push_back({rule.max_bytes, rule.algorithm});
+  }
+  return steps;
+}
+
+namespace {
+Algorithm first_step(const std::vector<SelectionStep>& steps, uint64_t bytes) {
+  for (const SelectionStep& step : steps) {
+    if (bytes <= step.max_bytes) return step.algorithm;
   }
   return Algorithm::kNccl;  // a table without a catch-all row
+}
+}  // namespace
+
+Algorithm table_algorithm(const std::string& device_name, int world_size, uint64_t bytes) {
+  return first_step(selection_for(device_name, world_size), bytes);
 }
 
 Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden, DType dtype,
@@ -139,11 +153,12 @@ Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden
   const bool twoshot_fits =
       tokens <= twoshot_max_tokens(team.world_size, team.packet_bytes, row_bytes);
   const auto capacity_error = [&](Algorithm algorithm, int64_t most) {
-    TPF_CHECK_ARG(false, op, "tokens " << tokens << " x hidden " << hidden << " of "
-                        << dtype_name(dtype) << " needs " << bytes << " bytes, more than "
-                        << algorithm_name(algorithm) << " carries in the team's packet capacity of "
-                        << team.packet_bytes << " bytes (at most " << most
-                        << " tokens; raise TeamOptions::packet_bytes)");
+    TPF_CHECK_ARG(
+        false, op,
+        "tokens " << tokens << " x hidden " << hidden << " of " << dtype_name(dtype) << " needs "
+                  << bytes << " bytes, more than " << algorithm_name(algorithm)
+                  << " carries in the team's packet capacity of " << team.packet_bytes
+                  << " bytes (at most " << most << " tokens; raise TeamOptions::packet_bytes)");
     return Algorithm::kNccl;  // not reached
   };
   switch (requested) {
@@ -169,14 +184,12 @@ Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden
       break;
   }
   if (!team.fused) {
-    TPF_CHECK_ARG(has_nccl, op,
-                  "the team cannot use peer stores (" << team.fallback_reason
-                                                      << ") and has no NCCL path");
+    TPF_CHECK_ARG(
+        has_nccl, op,
+        "the team cannot use peer stores (" << team.fallback_reason << ") and has no NCCL path");
     return Algorithm::kNccl;
   }
-  Algorithm choice = team.world_size == 1
-                         ? Algorithm::kOneShot
-                         : table_algorithm(team.device_name, team.world_size, bytes);
+  Algorithm choice = team.world_size == 1 ? Algorithm::kOneShot : first_step(team.selection, bytes);
   if (choice == Algorithm::kOneShot && !oneshot_fits) choice = Algorithm::kTwoShot;
   if (choice == Algorithm::kTwoShot && !twoshot_fits) {
     choice = oneshot_fits ? Algorithm::kOneShot : Algorithm::kNccl;

@@ -23,6 +23,13 @@ struct TeamMemory {
   virtual ~TeamMemory() = default;
 };
 
+// One row of the selection table as it applies to a team: messages of at most max_bytes run
+// `algorithm`.
+struct SelectionStep {
+  uint64_t max_bytes;
+  Algorithm algorithm;
+};
+
 struct TeamState {
   Backend backend = Backend::kCpu;
   int rank = 0;
@@ -38,6 +45,8 @@ struct TeamState {
   uint32_t* error_flag = nullptr;
   int multiprocessors = 0;  // CUDA: SM count of this rank's device
   std::string device_name;  // CUDA: e.g. "NVIDIA H200" (the selection table's key)
+  // The table's rows for this device and world size, in order (matched once, at creation).
+  std::vector<SelectionStep> selection;
   // false when the fused kernels may not run (no proven peer stores): every op takes the NCCL
   // path, and fallback_reason says why. The same on every rank.
   bool fused = true;
@@ -110,8 +119,10 @@ enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
 // The algorithm a call runs (Team::choose): throws naming `op` if a forced one cannot run.
 Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden, DType dtype,
                            Algorithm requested, const char* op);
-// The selection table's choice for a message (tpfuse/algorithms.csv, or the file named by
-// TPFUSE_ALGORITHM_TABLE): the first row whose GPU, world size and byte bound match.
+// The rows of the selection table (data/algorithms.csv, or the file named by
+// TPFUSE_ALGORITHM_TABLE) for a device and world size; a team keeps them.
+std::vector<SelectionStep> selection_for(const std::string& device_name, int world_size);
+// The table's choice for a message: the first row whose device, world size and byte bound match.
 Algorithm table_algorithm(const std::string& device_name, int world_size, uint64_t bytes);
 // Parses a selection table (CSV text); throws naming the line of a malformed row.
 struct SelectionRule {

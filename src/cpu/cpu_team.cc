@@ -313,6 +313,7 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
     state->control = controls[r];
     state->error_flag = &controls[r]->error;
     state->device_name = "cpu";
+    state->selection = impl::selection_for(state->device_name, world_size);
     state->peer_memory = "host memory";
     state->fused = options.peer_stores;
     if (!options.peer_stores) {

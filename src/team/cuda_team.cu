@@ -263,6 +263,7 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     state->error_flag = error_flags + r;
     state->multiprocessors = multiprocessors[r];
     state->device_name = device_name;
+    state->selection = impl::selection_for(device_name, world_size);
     state->fused = fallback_reason.empty();
     state->fallback_reason = fallback_reason;
     state->peer_memory = state->fused ? "cuda peer access" : "none";

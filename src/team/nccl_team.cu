@@ -31,6 +31,7 @@
 #endif
 
 #include "common/error.h"
+#include "common/nccl_types.h"
 #include "common/team_state.h"
 #include "cuda/launch.cuh"
 #include "team/handshake.h"
@@ -40,18 +41,6 @@
 namespace tpfuse {
 namespace impl {
 namespace {
-
-ncclDataType_t nccl_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return ncclFloat32;
-    case DType::kFloat16:
-      return ncclFloat16;
-    case DType::kBFloat16:
-      return ncclBfloat16;
-  }
-  TPF_FAIL("no NCCL type for dtype " << int(dtype));
-}
 
 ncclComm_t comm_of(const TeamState& team) {
   return static_cast<ncclComm_t>(team.nccl_comm);
@@ -380,6 +369,7 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
   state->device_name = properties.name;
+  state->selection = impl::selection_for(state->device_name, world);
   state->fused = reason.empty();
   state->fallback_reason = reason;
   state->peer_memory = state->fused ? peer_memory : "none";
