@@ -77,6 +77,19 @@ struct Record {
   std::string chosen;                 // tpfuse_auto: the algorithm the selector chose
 };
 
+// A record of one measurement (the fields every mode sets).
+inline Record measured(const char* op, const char* impl, int64_t hidden, int64_t tokens,
+                       int world_size, double us) {
+  Record record;
+  record.op = op;
+  record.impl = impl;
+  record.hidden = hidden;
+  record.tokens = tokens;
+  record.world_size = world_size;
+  record.us = us;
+  return record;
+}
+
 // What is the same for every record of a run. Empty strings are left out of the JSON.
 struct RunInfo {
   std::string dtype;

@@ -108,14 +108,7 @@ void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
 
   auto add = [&](const char* op, const char* impl, int64_t hidden, int64_t tokens, int world,
                  double us) {
-    Record record;
-    record.op = op;
-    record.impl = impl;
-    record.hidden = hidden;
-    record.tokens = tokens;
-    record.world_size = world;
-    record.us = us;
-    records.push_back(record);
+    records.push_back(measured(op, impl, hidden, tokens, world, us));
     return us;
   };
 

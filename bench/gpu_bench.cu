@@ -335,15 +335,8 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
 
   auto add = [&](const char* op, const char* impl, int64_t hidden, int64_t tokens, int world,
                  double us, bool tpfuse_kernel) {
-    Record record;
-    record.op = op;
-    record.impl = impl;
-    record.hidden = hidden;
-    record.tokens = tokens;
-    record.world_size = world;
-    record.us = us;
-    if (tpfuse_kernel) record.pdl = plan.pdl;
-    records.push_back(record);
+    records.push_back(measured(op, impl, hidden, tokens, world, us));
+    if (tpfuse_kernel) records.back().pdl = plan.pdl;
     return us;
   };
 
