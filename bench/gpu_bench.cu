@@ -393,7 +393,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
         allreduce(team, set.input, set.norm_out, count, dtype, stream);
       });
       team.check();
-      note("tpfuse_ar", add("allreduce", "tpfuse_oneshot", hidden, tokens, world_size, us, true));
+      note("tpfuse_ar", add("allreduce", "tpfuse_auto", hidden, tokens, world_size, us, true));
 
 #if TPFUSE_BENCH_NCCL
       us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {

@@ -76,17 +76,27 @@ struct Column {
 };
 
 // Table columns in display order; a column shows when its (op, impl) was measured. The speedup
-// column goes after the first three, where it reads as their conclusion.
+// (the baseline column over the first: the selector's choice, or the CPU backend's one-shot)
+// goes after the first three columns, where it reads as their conclusion.
 constexpr Column kColumns[] = {
-    {"tpfuse", "allreduce_add_rmsnorm", "tpfuse_oneshot"},
+    {"tpfuse", "allreduce_add_rmsnorm", "tpfuse_auto"},
     {"nccl_ar+local", "allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm"},
     {"nccl_ar", "allreduce", "nccl"},
-    {"tpfuse_ar", "allreduce", "tpfuse_oneshot"},
+    {"oneshot", "allreduce_add_rmsnorm", "tpfuse_oneshot"},
+    {"twoshot", "allreduce_add_rmsnorm", "tpfuse_twoshot"},
+    {"tpfuse_ar", "allreduce", "tpfuse_auto"},
     {"local_norm", "add_rmsnorm", "tpfuse_local"},
     {"tpfuse_cpu", "allreduce_add_rmsnorm", "tpfuse_oneshot_cpu"},
     {"cpu_local", "add_rmsnorm", "cpu_local_add_rmsnorm"},
 };
 constexpr int kSpeedupAfterColumn = 2;
+
+bool in_table(const std::string& op, const std::string& impl) {
+  for (const Column& column : kColumns) {
+    if (op == column.op && impl == column.impl) return true;
+  }
+  return false;
+}
 
 std::string format_us(double us) {
   if (!std::isfinite(us)) return "-";
@@ -141,7 +151,7 @@ void print_table(const RunInfo& info, const std::vector<Record>& records) {
   std::map<int64_t, std::set<int64_t>> tokens_by_hidden;
   std::map<int64_t, int> world_by_hidden;
   for (const Record& record : records) {
-    if (record.op == "floor") continue;
+    if (!in_table(record.op, record.impl)) continue;  // floors and the QK norm: printed below
     figures[{record.op, record.impl}][record.hidden][record.tokens] = record.us;
     tokens_by_hidden[record.hidden].insert(record.tokens);
     world_by_hidden[record.hidden] = std::max(world_by_hidden[record.hidden], record.world_size);
@@ -158,7 +168,10 @@ void print_table(const RunInfo& info, const std::vector<Record>& records) {
   for (const Column& column : kColumns) {
     if (figures.count({column.op, column.impl}) != 0) shown.push_back(&column);
   }
-  const bool show_speedup = figures.count({kColumns[0].op, kColumns[0].impl}) != 0 &&
+  // The speedup's numerator and denominator: the first two columns (GPU), or the CPU pair.
+  const Column* fused = &kColumns[0];
+  if (figures.count({fused->op, fused->impl}) == 0) fused = &kColumns[7];
+  const bool show_speedup = figures.count({fused->op, fused->impl}) != 0 &&
                             figures.count({kColumns[1].op, kColumns[1].impl}) != 0;
 
   for (const auto& [hidden, token_counts] : tokens_by_hidden) {
@@ -179,7 +192,7 @@ void print_table(const RunInfo& info, const std::vector<Record>& records) {
         std::printf(" %14s", format_us(lookup(*shown[c], hidden, tokens)).c_str());
         if (show_speedup && shown[c] == &kColumns[kSpeedupAfterColumn]) {
           const double ratio =
-              lookup(kColumns[1], hidden, tokens) / lookup(kColumns[0], hidden, tokens);
+              lookup(kColumns[1], hidden, tokens) / lookup(*fused, hidden, tokens);
           char text[32];
           std::snprintf(text, sizeof(text), "%.2fx", ratio);
           std::printf(" %9s", std::isfinite(ratio) ? text : "-");

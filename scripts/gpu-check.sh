@@ -77,10 +77,19 @@ fi
 if [[ " $STEPS " == *" python "* ]]; then
   step python
   export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
-  timeout 400 python3 -m unittest discover -s tests/python -v >"$OUT/python.log" 2>&1 || status=1
-  tail -5 "$OUT/python.log"
+  # One module per interpreter, with faulthandler: a crash names its test and its stack.
+  for module in tests/python/test_*.py; do
+    name=$(basename "$module" .py)
+    (cd tests/python && timeout 400 python3 -X faulthandler -m unittest -v "$name") \
+      >>"$OUT/python.log" 2>&1
+    rc=$?
+    echo "python $name: exit $rc"
+    [ $rc -eq 0 ] || status=1
+  done
   timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
     tee -a "$OUT/python.log" || status=1
 fi
+# The device tool returns at most 8 files: the logs travel as one archive.
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
 step done "status $status"
 exit $status

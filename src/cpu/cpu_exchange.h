@@ -69,12 +69,14 @@ inline void check_not_failed(const uint32_t* error_flag, int rank) {
   }
 }
 
-// Re-fills the slot the previous call read (recorded in the control block) with the sentinel.
+// Re-fills the slot the previous call read (recorded in the control block) with the sentinel,
+// but this rank's own sender region, which stays empty between calls (tpfuse/impl/lamport.h).
 inline void clear_previous_slot(char* my_workspace, const ControlBlock& control, int world_size,
-                                size_t packet_bytes) {
+                                size_t packet_bytes, int rank) {
   const uint32_t clear_slot = slot_to_clear(control.slot);
   const size_t clear_bytes = control.slot_bytes[clear_slot];
   for (int r = 0; r < world_size; ++r) {
+    if (r == rank) continue;
     char* base = my_workspace + packet_offset(clear_slot, r, world_size, packet_bytes);
     for (size_t offset = 0; offset < clear_bytes; offset += 16) {
       store_vector(base + offset, sentinel_vector());

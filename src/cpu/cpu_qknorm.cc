@@ -107,13 +107,13 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
           packet);
     }
   }
-  clear_previous_slot(x.workspace[x.rank], control, x.world_size, x.packet_bytes);
+  clear_previous_slot(x.workspace[x.rank], control, x.world_size, x.packet_bytes, x.rank);
 
   // Receive: sum the packets in rank order, then normalize, rotate, store.
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
-      const char* address =
+      char* address =
           x.workspace[x.rank] + packet_offset(slot, r, x.world_size, x.packet_bytes) + token * 16;
       const Vec16 packet = poll_vector(address, x.timeout_ns, x.error_flag, x.rank, r);
       if (r == 0) {
@@ -121,6 +121,8 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
       } else {
         accumulate<float>(sums, packet);
       }
+      // This rank's own packet: read back, the word is re-filled (no clear touches it).
+      if (r == x.rank) store_vector(address, sentinel_vector());
     }
     normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }

@@ -86,11 +86,12 @@ void finish_row(std::vector<float>& acc, const OneShotParams& p, Epilogue epilog
   finish_row<T>(acc, p, epilogue, token, [](int64_t, const Vec16&) {});
 }
 
-// Sums `vectors` packet vectors at `offset` of every sender region of this rank's slot, in rank
-// order, into acc (polling each until it has arrived).
+// Sums, in rank order into acc, `vectors` packet vectors at `offset` of every other sender's
+// region of this rank's slot (polling each until it has arrived) and this rank's own row, read
+// from its input at vector `own_vector` with sentinel words rewritten as a peer receives them.
 template <typename T>
-void receive_row(const OneShotParams& p, uint32_t slot, size_t offset, int64_t vectors,
-                 std::vector<float>& acc) {
+void receive_row(const OneShotParams& p, uint32_t slot, size_t offset, int64_t own_vector,
+                 int64_t vectors, std::vector<float>& acc) {
   constexpr int kElements = Packed<T>::kElements;
   using Lanes = float[kElements];
   for (int64_t v = 0; v < vectors; ++v) {
@@ -98,7 +99,8 @@ void receive_row(const OneShotParams& p, uint32_t slot, size_t offset, int64_t v
     for (int r = 0; r < p.world_size; ++r) {
       const char* base = p.workspace[p.rank] + packet_offset(slot, r, p.world_size, p.packet_bytes);
       const Vec16 packet =
-          poll_vector(base + offset + v * 16, p.timeout_ns, p.error_flag, p.rank, r);
+          r == p.rank ? rewrite_sentinel(load_plain(p.input, own_vector + v))
+                      : poll_vector(base + offset + v * 16, p.timeout_ns, p.error_flag, p.rank, r);
       if (r == 0) {
         accumulate_first<T>(lanes, packet);
       } else {
@@ -126,15 +128,17 @@ void oneshot(const OneShotParams& p, Epilogue epilogue) {
   const int64_t vectors = p.hidden / Packed<T>::kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
 
-  // Send: this rank's packet, sentinel words rewritten, into every rank's slot.
-  for (int r = 0; r < p.world_size; ++r) send_row(p, slot, r, 0, p.input, 0, p.tokens * vectors);
+  // Send: this rank's packet, sentinel words rewritten, into every other rank's slot.
+  for (int r = 0; r < p.world_size; ++r) {
+    if (r != p.rank) send_row(p, slot, r, 0, p.input, 0, p.tokens * vectors);
+  }
 
-  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes);
+  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes, p.rank);
 
   // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
   std::vector<float> acc(size_t(p.hidden));
   for (int64_t token = 0; token < p.tokens; ++token) {
-    receive_row<T>(p, slot, size_t(token) * row_bytes, vectors, acc);
+    receive_row<T>(p, slot, size_t(token) * row_bytes, token * vectors, vectors, acc);
     finish_row<T>(acc, p, epilogue, token);
   }
   control.slot_bytes[slot] = uint64_t(p.tokens) * row_bytes;
@@ -154,20 +158,23 @@ void twoshot(const OneShotParams& p, Epilogue epilogue) {
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, p.world_size);
 
-  // Reduce-scatter: each input row to the rank that owns its token.
+  // Reduce-scatter: each input row to the rank that owns its token (its own rows stay in its
+  // input).
   for (int owner = 0; owner < p.world_size; ++owner) {
+    if (owner == p.rank) continue;
     for (int64_t local = 0; local < layout.count(owner); ++local) {
       send_row(p, slot, owner, layout.scatter_row(local, row_bytes), p.input,
                (layout.begin(owner) + local) * vectors, vectors);
     }
   }
 
-  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes);
+  clear_previous_slot(p.workspace[p.rank], control, p.world_size, p.packet_bytes, p.rank);
 
   // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
   std::vector<float> acc(size_t(p.hidden));
   for (int64_t local = 0; local < layout.count(p.rank); ++local) {
-    receive_row<T>(p, slot, layout.scatter_row(local, row_bytes), vectors, acc);
+    receive_row<T>(p, slot, layout.scatter_row(local, row_bytes),
+                   (layout.begin(p.rank) + local) * vectors, vectors, acc);
     finish_row<T>(acc, p, epilogue, layout.begin(p.rank) + local,
                   [&](int64_t v, const Vec16& rounded) {
                     for (int r = 0; r < p.world_size; ++r) {

@@ -86,6 +86,34 @@ __device__ __forceinline__ float block_sum(float value, float* shared_warp_sums)
   return total;
 }
 
+// block_sum of two values at once (one pass, one set of barriers): each component gets exactly
+// the additions, in the same order, that block_sum would give it alone.
+__device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_sums) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = (blockDim.x + 31) / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value.x += __shfl_xor_sync(0xffffffffu, value.x, offset);
+    value.y += __shfl_xor_sync(0xffffffffu, value.y, offset);
+  }
+  if (lane == 0) shared_warp_sums[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < warps ? shared_warp_sums[lane] : make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value.x += __shfl_xor_sync(0xffffffffu, value.x, offset);
+      value.y += __shfl_xor_sync(0xffffffffu, value.y, offset);
+    }
+    if (lane == 0) shared_warp_sums[32] = value;
+  }
+  __syncthreads();
+  const float2 total = shared_warp_sums[32];
+  __syncthreads();  // shared_warp_sums may be reused by the next row
+  return total;
+}
+
 // The slow path of a poll: spins until every word of a packet vector holds data, with the
 // bounded wait. On timeout (or when another thread of this rank already timed out) it records
 // the missing sender in the control block (device memory, which later calls read cheaply) and
@@ -129,16 +157,20 @@ __device__ __forceinline__ void arrive(ControlBlock* control, uint32_t slot, uin
 // Re-fills slot `clear_slot` of this rank's workspace, `clear_bytes` per sender, with the
 // sentinel, spread over the whole grid. Plain stores suffice: the slot is next polled two calls
 // (two kernel boundaries) later, and a peer stores into it only after it has seen a packet this
-// rank sends later.
+// rank sends later. Sender region `skip` (this rank's own, which the add + RMSNorm kernels never
+// store into) is left as it is; skip = -1 clears every region.
 __device__ __forceinline__ void clear_slot(char* workspace, uint32_t clear_slot,
-                                           uint64_t clear_bytes, int world, size_t packet_bytes) {
+                                           uint64_t clear_bytes, int world, size_t packet_bytes,
+                                           int skip) {
   const int64_t per_sender = int64_t(clear_bytes / 16);
-  const int64_t total = per_sender * world;
+  const int regions = skip >= 0 ? world - 1 : world;
+  const int64_t total = per_sender * regions;
   char* base = workspace + packet_offset(clear_slot, 0, world, packet_bytes);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t sender = i / per_sender;
-    reinterpret_cast<Vec16*>(base + sender * packet_bytes)[i - sender * per_sender] =
+    const int64_t region = i / per_sender;
+    const int64_t sender = skip >= 0 && region >= skip ? region + 1 : region;
+    reinterpret_cast<Vec16*>(base + sender * packet_bytes)[i - region * per_sender] =
         sentinel_vector();
   }
 }

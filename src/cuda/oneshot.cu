@@ -9,7 +9,8 @@
 //   [after the wait]              the previous grid has completed and its writes are visible.
 //   1. thread 0 reads the slot index s = k%3 and the bytes slot (k+2)%3 last received.
 //   2. send: each block stores its tokens' packets (input, sentinel rewritten) into slot k%3,
-//      sender index `rank`, of every rank's workspace.
+//      sender index `rank`, of every other rank's workspace (a rank's own contribution is read
+//      from its input in step 6: it never goes through its slot).
 //   3. arrival: thread 0 counts its block in; the last block to arrive resets the count and
 //      advances the slot index (every block has read it by then), and records this call's
 //      packet bytes for slot k%3, so call k+1 knows what to clear.
@@ -19,8 +20,9 @@
 //      once every block of this grid has issued it, all our blocks are resident before a
 //      dependent can take SM space: the co-residency the cross-rank polling needs.
 //   5. clear: slot (k+2)%3 of this rank (what call k-1 read) is re-filled with the sentinel.
-//   6. receive: each block polls its tokens' vectors in this rank's slot k%3 for every sender,
-//      sums them in rank order 0..W-1 in fp32, and runs the epilogue.
+//   6. receive: each block polls its tokens' vectors in this rank's slot k%3 for every other
+//      sender, sums them and its own input (sentinel rewritten) in rank order 0..W-1 in fp32,
+//      and runs the epilogue.
 //
 // Grid: no more blocks than can be resident together (occupancy, at most 4 per multiprocessor),
 // so every block of the grid is resident at once;
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
 #pragma unroll
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
         if (kWorldSize == 0 && r >= world) break;
+        if (r == p.rank) continue;  // its own rows the rank reads from its input
         store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + send_offset) + index, packet);
       }
     }
@@ -107,7 +110,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   launch_dependents();
 
   // 5. Clear.
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes,
+             p.rank);
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
@@ -119,8 +123,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     if constexpr (kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
-    receive_row<T, kWorldSize, kVecsPerThread>(acc, slot_base + token * vectors, p.packet_bytes,
-                                               world, vectors, p);
+    receive_row<T, kWorldSize, kVecsPerThread>(
+        acc, slot_base + token * vectors, p.packet_bytes,
+        reinterpret_cast<const Vec16*>(p.input) + token * vectors, world, vectors, p);
     finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                              NoSend{});
   }

@@ -3,15 +3,21 @@
 // of tpfuse/impl/lamport.h with one 16-byte packet per token, {sum q^2, sum k^2, 0, 0} in fp32.
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
-//   1. thread 0 reads the slot index, the bytes to clear and the error flag.
-//   2. per token of the block: each thread loads its q / k vectors and sums their squares; two
-//      fixed-order block sums; thread 0 stores the packet into every rank's slot.
+//   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
+//      thread loads its q / k vectors of its block's first token (the latencies overlap).
+//   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
+//      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
+//      rank's slot.
 //   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
-//      call's slot: exactly as the add + RMSNorm one-shot kernel (oneshot.cu says why it is safe).
-//   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
-//      same bits on every rank), computes both scales and shares them; each thread normalizes
-//      its vectors; with RoPE the normalized row goes through shared memory so each element can
-//      read its rotation partner; one rounding to the output type.
+//      call's slot but this rank's own region: as the add + RMSNorm one-shot kernel (oneshot.cu
+//      says why it is safe).
+//   4. per token: with RoPE, the position's cos/sin row is loaded into shared memory while the
+//      packets are in flight; thread 0 polls the W packets of this token and sums them in rank
+//      order (the same bits on every rank), re-fills its own packet's word with the sentinel
+//      (the thread that stored it is the one that read it), computes both scales and shares
+//      them; each thread
+//      normalizes its vectors; with RoPE the normalized row goes through shared memory so each
+//      element can read its rotation partner; one rounding to the output type.
 #include <cuda_runtime.h>
 
 #include "common/error.h"
@@ -38,8 +44,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   const int64_t q_vectors = p.q_size / kElements;
   const int64_t vectors = (p.q_size + p.kv_size) / kElements;
   const int64_t row = p.q_size + 2 * p.kv_size;
-  extern __shared__ float normalized[];  // q_size + kv_size floats, RoPE only
-  __shared__ float shared_sums[33];
+  // RoPE only: the normalized row (q_size + kv_size floats), then the position's cos/sin row.
+  extern __shared__ float rope_shared[];
+  float* const normalized = rope_shared;
+  float* const cos_sin = rope_shared + (p.q_size + p.kv_size);
+  __shared__ float2 shared_sums[33];
   __shared__ float shared_scale[2];
   __shared__ uint32_t shared_slot;
   __shared__ uint64_t shared_clear_bytes;
@@ -48,27 +57,28 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   grid_dependency_wait();
   if constexpr (!kFused) launch_dependents();  // a local pass has no slot to protect
 
-  // 1. Volatile loads: the writer was a previous grid, complete and flushed (the wait).
+  // 1. Thread 0 reads the control block while every thread loads its vectors (step 2): the two
+  // latencies overlap, and the first block sum's barrier publishes what thread 0 read. Volatile
+  // loads: the writer was a previous grid, complete and flushed (the wait).
+  uint32_t slot = 0, failed = 0;
   if (kFused && threadIdx.x == 0) {
-    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
+    slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
+    failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
     shared_slot = slot;
+    shared_failed = failed;
     shared_clear_bytes =
         *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
-    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
   }
-  __syncthreads();
-  if (kFused && shared_failed != 0) return;  // a failed team sends nothing: peers time out too
-  const uint32_t slot = kFused ? shared_slot : 0;
-  const size_t send_offset = packet_offset(slot, rank, world, p.exchange.packet_bytes);
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
   // the qkv row and in the normalized row (q then k) is the same: c * kElements.
   const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
 
-  // 2. Send.
+  // 2. Send (every block has at least one token: the grid is at most `tokens` blocks). Thread 0
+  // sends, from the slot it read itself; a failed team sends nothing, so its peers time out too.
   for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
        token += gridDim.x) {
-    float sum_q = 0.0f, sum_k = 0.0f;
+    float2 sums = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int64_t c = vector_of(i);
@@ -76,19 +86,19 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       const Vec16 v = load_vector(p.qkv, (token * row) / kElements + c);
       const float squares = vector_sum_squares<T>(v);
       if (c < q_vectors) {
-        sum_q += squares;
+        sums.x += squares;
       } else {
-        sum_k += squares;
+        sums.y += squares;
       }
     }
-    sum_q = block_sum(sum_q, shared_sums);
-    sum_k = block_sum(sum_k, shared_sums);
+    sums = block_sum2(sums, shared_sums);
     if (kPass == QkPass::kSums && threadIdx.x == 0) {
-      p.sums[2 * token] = sum_q;
-      p.sums[2 * token + 1] = p.counts_k ? sum_k : 0.0f;
+      p.sums[2 * token] = sums.x;
+      p.sums[2 * token + 1] = p.counts_k ? sums.y : 0.0f;
     }
-    if (kFused && threadIdx.x == 0) {
-      const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, p.counts_k ? sum_k : 0.0f));
+    if (kFused && threadIdx.x == 0 && failed == 0) {
+      const size_t send_offset = packet_offset(slot, rank, world, p.exchange.packet_bytes);
+      const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
 #pragma unroll
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
         if (kWorldSize == 0 && r >= world) break;
@@ -99,13 +109,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
 
   if constexpr (kPass == QkPass::kSums) return;
+  if (kFused) {
+    if (shared_failed != 0) return;
+    slot = shared_slot;
+  }
 
   // 3. Arrival, trigger, clear.
   if (kFused && threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
     clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_clear_bytes, world,
-               p.exchange.packet_bytes);
+               p.exchange.packet_bytes, rank);
   }
 
   // 4. Receive, normalize, rotate, store.
@@ -120,26 +134,45 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       values[i] = load_vector(p.qkv, (token * row) / kElements + c);
       gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
     }
+    if constexpr (kRope) {
+      // The position's cos/sin row, loaded while the packets are in flight; the barrier after
+      // the poll publishes it.
+      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+      for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) cos_sin[e] = row_cos_sin[e];
+    }
     if (kPass == QkPass::kNormFromSums && threadIdx.x == 0) {
       shared_scale[0] = rms_scale(p.sums[2 * token], p.q_global_size, p.eps);
       shared_scale[1] = rms_scale(p.sums[2 * token + 1], p.k_global_size, p.eps);
     }
     if (kFused && threadIdx.x == 0) {
+      // Every sender's packet is loaded before the first is waited on: W polls in flight.
+      constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorld;
+      const auto address = [&](int r) {
+        return reinterpret_cast<const Vec16*>(slot_base + r * p.exchange.packet_bytes) + token;
+      };
+      Vec16 packets[kPolls];
+#pragma unroll
+      for (int r = 0; r < kPolls; ++r) {
+        if (r < world) packets[r] = load_packet(address(r));
+      }
       float sums[4];
-      for (int r = 0; r < world; ++r) {
-        const Vec16* address =
-            reinterpret_cast<const Vec16*>(slot_base + r * p.exchange.packet_bytes) + token;
-        Vec16 packet = load_packet(address);
-        if (!has_arrived(packet)) {
-          packet = wait_for_packet(address, p.exchange.timeout_ns, &control->error,
-                                   p.exchange.error_flag, r);
+#pragma unroll
+      for (int r = 0; r < kPolls; ++r) {
+        if (r >= world) break;
+        if (!has_arrived(packets[r])) {
+          packets[r] = wait_for_packet(address(r), p.exchange.timeout_ns, &control->error,
+                                       p.exchange.error_flag, r);
         }
         if (r == 0) {
-          accumulate_first<float>(sums, packet);
+          accumulate_first<float>(sums, packets[r]);
         } else {
-          accumulate<float>(sums, packet);
+          accumulate<float>(sums, packets[r]);
         }
       }
+      // This rank's own packet was stored and read back by this thread alone: it re-fills the
+      // word now, so the own sender region is always empty between calls, as the add + RMSNorm
+      // kernels (which never store into it) expect: no kernel clears it.
+      store_packet(const_cast<Vec16*>(address(rank)), sentinel_vector());
       shared_scale[0] = rms_scale(sums[0], p.q_global_size, p.eps);
       shared_scale[1] = rms_scale(sums[1], p.k_global_size, p.eps);
     }
@@ -157,7 +190,6 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     }
     if constexpr (kRope) {
       __syncthreads();
-      const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int64_t c = vector_of(i);
@@ -186,6 +218,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
 }
 
+// Dynamic shared memory of a launch: with RoPE, the normalized row and the cos/sin row.
+size_t rope_shared_bytes(const QkNormParams& params, bool rope) {
+  return rope ? size_t(params.q_size + params.kv_size + params.rotary_dim) * sizeof(float) : 0;
+}
+
 }  // namespace
 
 void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
@@ -194,7 +231,7 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
   DeviceGuard guard(team.device);
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const bool rope = params.rope != 0;
-  const size_t shared_bytes = rope ? size_t(params.q_size + params.kv_size) * sizeof(float) : 0;
+  const size_t shared_bytes = rope_shared_bytes(params, rope);
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_world_size(params.exchange.world_size, [&](auto world_tag) {
@@ -238,7 +275,7 @@ void cuda_preload_qk_kernels(int world_size) {
 void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const bool rope = pass == QkPass::kNormFromSums && params.rope != 0;
-  const size_t shared_bytes = rope ? size_t(params.q_size + params.kv_size) * sizeof(float) : 0;
+  const size_t shared_bytes = rope_shared_bytes(params, rope);
   const int blocks = int(std::min<int64_t>(params.tokens, 65535));
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;

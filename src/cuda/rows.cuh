@@ -35,12 +35,15 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
   }
 }
 
-// Polls this thread's vectors of a row at `address` (vector index 0 of the row) in each of the
-// `world` sender regions `sender_stride` bytes apart, and sums them in rank order in fp32.
+// Sums this thread's vectors of a row over the `world` ranks in rank order in fp32: the peers'
+// packets polled at `address` (vector index 0 of the row) in sender regions `sender_stride`
+// bytes apart, this rank's own contribution read from `own` (its input row, sentinel words
+// rewritten as a peer receives them): a rank's own rows never go through its slot.
 template <typename T, int kWorldSize, int kVecsPerThread>
 __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
-                                            const Vec16* address, size_t sender_stride, int world,
-                                            int64_t vectors, const OneShotParams& p) {
+                                            const Vec16* address, size_t sender_stride,
+                                            const Vec16* own, int world, int64_t vectors,
+                                            const OneShotParams& p) {
   ControlBlock* const control = p.control;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
@@ -54,7 +57,10 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       // All W loads in flight before the first use.
       Vec16 packets[kWorldSize];
 #pragma unroll
-      for (int r = 0; r < kWorldSize; ++r) packets[r] = load_packet(sender_address(r));
+      for (int r = 0; r < kWorldSize; ++r) {
+        packets[r] = r == p.rank ? rewrite_sentinel(load_vector(own, owned(i)))
+                                 : load_packet(sender_address(r));
+      }
 #pragma unroll
       for (int r = 0; r < kWorldSize; ++r) {
         if (!has_arrived(packets[r])) {
@@ -67,7 +73,8 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
     } else {
       for (int r = 0; r < world; ++r) {
-        Vec16 packet = load_packet(sender_address(r));
+        Vec16 packet = r == p.rank ? rewrite_sentinel(load_vector(own, owned(i)))
+                                   : load_packet(sender_address(r));
         if (!has_arrived(packet)) {
           packet =
               wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag, r);

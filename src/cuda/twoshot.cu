@@ -6,10 +6,12 @@
 //   [before griddepcontrol.wait]  nothing that reads or writes memory (as in one-shot).
 //   1. thread 0 reads the slot index, the bytes to clear and the error word.
 //   2. scatter: each block stores input rows (sentinel words rewritten) into the slot of the
-//      rank that owns their token, sender index `rank`, rows [0, per).
+//      rank that owns their token, sender index `rank`, rows [0, per); rows this rank owns stay
+//      in its input (a rank's own rows never go through its slot).
 //   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
 //      call's slot: as in one-shot, for the same reasons (src/cuda/oneshot.cu).
-//   4. owned rows: poll the W senders' rows, sum in rank order in fp32, residual add, one
+//   4. owned rows: poll the other senders' rows, sum them and this rank's input row in rank
+//      order in fp32, residual add, one
 //      rounding (canonical zeros), residual_out and norm_out; each rounded vector also goes to
 //      every other rank's slot, sender index `rank`, rows [per, 2 per).
 //   5. gathered rows: poll the rounded rows other ranks own and finish them as their owner did
@@ -53,7 +55,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
 
   grid_dependency_wait();
 
-  // 1.
+  // 1. Thread 0 reads the control block while every thread loads its first input row (the
+  // latencies overlap; see oneshot.cu).
   if (threadIdx.x == 0) {
     const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
     shared_slot = slot;
@@ -61,16 +64,18 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
         *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
     shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
   }
+  Vec16 input[kVecsPerThread];
+  load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
   __syncthreads();
   if (shared_failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
   const uint32_t slot = shared_slot;
   const size_t my_sender_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
 
-  // 2. Scatter.
+  // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    Vec16 input[kVecsPerThread];
-    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
     const int owner = layout.owner(token);
+    if (owner == p.rank) continue;
+    if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
     Vec16* destination =
         reinterpret_cast<Vec16*>(p.workspace[owner] + my_sender_offset +
                                  layout.scatter_row(token - layout.begin(owner), row_bytes));
@@ -85,7 +90,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   // 3.
   if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
   launch_dependents();
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes,
+             p.rank);
 
   Vec16 gamma[kVecsPerThread];
   if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
@@ -102,7 +108,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
     float acc[kVecsPerThread][kElements];
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
-        p.packet_bytes, world, vectors, p);
+        p.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, world, vectors,
+        p);
     const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, kEpilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {

@@ -6,15 +6,18 @@
 //  * Each rank's workspace holds kSlots = 3 slots; a slot holds one packet per sender rank,
 //    packet_bytes each. Call k of a rank uses slot k % 3 (the control block keeps k % 3 itself,
 //    not k, so no counter ever wraps onto the wrong slot). Rank r stores its packet for call k
-//    (its input, 16-byte vectors) into slot k % 3, sender index r, of every rank's workspace,
-//    its own included.
+//    (its input, 16-byte vectors) into slot k % 3, sender index r, of every other rank's
+//    workspace. Its own contribution it reads from its input: a rank's own sender region stays
+//    empty between calls (the QK norm, whose per-token packet is not in any input, stores it there
+//    and re-fills the word once the same thread has read it), so no clear touches it.
 //  * An empty word holds the sentinel, negative zero's bit pattern 0x80000000. A receiver polls
 //    its own slot until no 32-bit word of the vectors it needs holds the sentinel. A sender
 //    rewrites payload words equal to the sentinel to +0 (0x00000000) before storing, so the
 //    sentinel never appears as data. For 16-bit types a word holds two elements: the word
 //    0x80000000 is (low +0, high -0) and becomes (+0, +0). Only zeros change sign; the sum
 //    differs from the unrewritten one at most in the sign of a zero.
-//  * In call k each rank also re-fills slot (k + 2) % 3 of its own workspace with the sentinel:
+//  * In call k each rank also re-fills slot (k + 2) % 3 of its own workspace (the other
+//    senders' regions) with the sentinel:
 //    that is the slot call k - 1 read, so its readers (this rank's call k - 1) are done. The bytes
 //    to clear are those call k - 1 received, recorded in the control block.
 //  * Ranks may drift one call apart with no barrier: a rank in call k + 1 stores into slot
