@@ -51,14 +51,16 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   step sanitize
   oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*'
   qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits'
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     for test in oneshot qknorm; do
       filter=$oneshot_filter
       [ $test = qknorm ] && filter=$qk_filter
       # One log for all runs: the device tool returns at most 8 files.
       log="$OUT/sanitizer.log"
       echo "=== compute-sanitizer --tool $tool test_${test}_gpu" >>"$log"
-      timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 \
+      # API errors are not kernel errors: NCCL's initialization probes kernels of other
+      # architectures and the teams tolerate peer access already being enabled.
+      timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
         "$BUILD/tests/test_${test}_gpu" --gtest_filter="$filter" >"$OUT/sanitizer-run.log" 2>&1
       rc=$?
       cat "$OUT/sanitizer-run.log" >>"$log"

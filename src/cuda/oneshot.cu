@@ -123,9 +123,11 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     if constexpr (kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
+    // A block with a single token still holds its input row in registers.
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, slot_base + token * vectors, p.packet_bytes,
-        reinterpret_cast<const Vec16*>(p.input) + token * vectors, world, vectors, p);
+        reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, gridDim.x >= p.tokens,
+        world, vectors, p);
     finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                              NoSend{});
   }

@@ -4,7 +4,8 @@
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
-//      thread loads its q / k vectors of its block's first token (the latencies overlap).
+//      thread loads its q / k vectors of its block's first token (the latencies overlap); with
+//      RoPE, the first rotary_dim threads load that token's cos/sin row element now too.
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot.
@@ -68,6 +69,14 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     shared_failed = failed;
     shared_clear_bytes =
         *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
+  }
+
+  // RoPE: this thread's element of its block's first token's cos/sin row, loaded now so that
+  // the two dependent loads (the position, then the row) overlap everything before the poll.
+  const bool early_rope = kRope && blockDim.x >= p.rotary_dim;
+  float early_cos_sin = 0.0f;
+  if (kRope && early_rope && threadIdx.x < p.rotary_dim) {
+    early_cos_sin = p.cos_sin_cache[p.positions[blockIdx.x] * p.rotary_dim + threadIdx.x];
   }
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
@@ -135,10 +144,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
     }
     if constexpr (kRope) {
-      // The position's cos/sin row, loaded while the packets are in flight; the barrier after
-      // the poll publishes it.
-      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
-      for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) cos_sin[e] = row_cos_sin[e];
+      // The position's cos/sin row into shared memory (loaded at the start for the block's first
+      // token, else now, while the packets are in flight); the barrier after the poll
+      // publishes it.
+      if (early_rope && token == blockIdx.x) {
+        if (threadIdx.x < p.rotary_dim) cos_sin[threadIdx.x] = early_cos_sin;
+      } else {
+        const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+        for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) {
+          cos_sin[e] = row_cos_sin[e];
+        }
+      }
     }
     if (kPass == QkPass::kNormFromSums && threadIdx.x == 0) {
       shared_scale[0] = rms_scale(p.sums[2 * token], p.q_global_size, p.eps);

@@ -37,17 +37,23 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
 
 // Sums this thread's vectors of a row over the `world` ranks in rank order in fp32: the peers'
 // packets polled at `address` (vector index 0 of the row) in sender regions `sender_stride`
-// bytes apart, this rank's own contribution read from `own` (its input row, sentinel words
-// rewritten as a peer receives them): a rank's own rows never go through its slot.
+// bytes apart, this rank's own contribution (sentinel words rewritten as a peer receives them)
+// from `own_row` (registers) when `own_in_registers`, else from `own` (its input row in memory):
+// a rank's own rows never go through its slot.
 template <typename T, int kWorldSize, int kVecsPerThread>
 __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
                                             const Vec16* address, size_t sender_stride,
-                                            const Vec16* own, int world, int64_t vectors,
+                                            const Vec16* own,
+                                            const Vec16 (&own_row)[kVecsPerThread],
+                                            bool own_in_registers, int world, int64_t vectors,
                                             const OneShotParams& p) {
   ControlBlock* const control = p.control;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     if (!owns<kVecsPerThread>(i, vectors)) continue;
+    const auto own_vector = [&] {
+      return rewrite_sentinel(own_in_registers ? own_row[i] : load_vector(own, owned(i)));
+    };
     const Vec16* vector = address + owned(i);
     const auto sender_address = [&](int r) {
       return reinterpret_cast<const Vec16*>(reinterpret_cast<const char*>(vector) +
@@ -58,8 +64,7 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       Vec16 packets[kWorldSize];
 #pragma unroll
       for (int r = 0; r < kWorldSize; ++r) {
-        packets[r] = r == p.rank ? rewrite_sentinel(load_vector(own, owned(i)))
-                                 : load_packet(sender_address(r));
+        packets[r] = r == p.rank ? own_vector() : load_packet(sender_address(r));
       }
 #pragma unroll
       for (int r = 0; r < kWorldSize; ++r) {
@@ -73,8 +78,7 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       for (int r = 1; r < kWorldSize; ++r) accumulate<T>(acc[i], packets[r]);
     } else {
       for (int r = 0; r < world; ++r) {
-        Vec16 packet = r == p.rank ? rewrite_sentinel(load_vector(own, owned(i)))
-                                   : load_packet(sender_address(r));
+        Vec16 packet = r == p.rank ? own_vector() : load_packet(sender_address(r));
         if (!has_arrived(packet)) {
           packet =
               wait_for_packet(sender_address(r), p.timeout_ns, &control->error, p.error_flag, r);

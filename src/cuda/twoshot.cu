@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
     float acc[kVecsPerThread][kElements];
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
-        p.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, world, vectors,
-        p);
+        p.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, false,
+        world, vectors, p);
     const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, kEpilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
