@@ -51,7 +51,9 @@ c10d = torch.ops._c10d_functional
 
 # Installed groups: c10d group name -> team handle.
 _teams: Dict[str, int] = {}
-stats: Dict[str, int] = {"allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0}
+stats: Dict[str, int] = {
+    "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
+}
 _world_sizes: Dict[str, int] = {}
 graphs: List[Dict[str, List[str]]] = []
 
@@ -314,10 +316,178 @@ def _register_qk(patterns: PatternMatcherPass) -> None:
     register_graph_pattern(pattern, extra_check=_check_qk, pass_dict=patterns)(_rewrite_qk)
 
 
+# --- RoPE after the QK norm, folded into the fused op (a second stage, on graphs the QK pattern
+# has rewritten): the rotate-half (neox) partial rotary embedding as engines write it natively
+# (vLLM's RotaryEmbedding.forward_native): cos_sin = cache[positions]; cos, sin = chunk(2);
+# per tensor x of [tokens, heads * head_dim]: view [tokens, -1, head_dim], x[..., :rotary_dim]
+# split in halves x1, x2; cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), cat with
+# x[..., rotary_dim:], back to [tokens, width]; cos and sin unsqueezed at -2 and cast to x's
+# dtype. The fused op applies it in fp32 before its single rounding. Not matched (left unfused):
+# the interleaved style, full-width rotary (rotary_dim == head_dim), a cache that is not fp32
+# [positions, rotary_dim], tokens not flattened to 2-D.
+
+
+def _qk_op_of(op: torch.fx.Node):
+    """`op` when it is the tpfuse QK norm run without RoPE whose only users are its two outputs'
+    getitems (each of which the RoPE chain is the only user of); else None."""
+    if op.op != "call_function" or op.target != torch.ops.tpfuse.allreduce_qk_rmsnorm.default:
+        return None
+    if len(op.users) != 2 or any(len(user.users) != 1 for user in op.users):
+        return None
+    return op if _op_arg(op, 14, "rope_style", 0) == 0 else None
+
+
+def _op_arg(node: torch.fx.Node, index: int, name: str, default):
+    """Argument `index` (schema name `name`) of a call, which the graph may leave at its default."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _cos_sin_source(kwargs, rotary_dim: int):
+    """(positions, cache) when cos and sin are the halves of an fp32 [positions, rotary_dim]
+    cache's rows at int64 [tokens] positions."""
+    if kwargs["cos_sin_half"] != rotary_dim // 2 or kwargs["cos_sin_dim"] not in (-1, 1):
+        return None
+    cache, positions = kwargs["cache"], kwargs["positions"]
+    cache_value, positions_value = cache.meta.get("val"), positions.meta.get("val")
+    if cache_value is None or positions_value is None:
+        return None
+    if cache_value.dtype != torch.float32 or cache_value.dim() != 2:
+        return None
+    if cache_value.shape[1] != rotary_dim or not cache_value.is_contiguous():
+        return None
+    if positions_value.dtype != torch.int64 or positions_value.dim() != 1:
+        return None
+    return positions, cache
+
+
+def _rope_geometry(kwargs, prefix: str, width: int):
+    """(head_dim, rotary_dim) of one tensor's RoPE chain, or None."""
+    heads_shape = kwargs[prefix + "_heads_shape"]
+    if not isinstance(heads_shape, (list, tuple)) or len(heads_shape) != 3:
+        return None
+    head_dim, rotary_dim = heads_shape[2], kwargs[prefix + "_rotary_dim"]
+    if not isinstance(head_dim, int) or not isinstance(rotary_dim, int):
+        return None
+    if width % head_dim != 0 or not 0 < rotary_dim < head_dim or rotary_dim % 2 != 0:
+        return None
+    if kwargs[prefix + "_half"] != rotary_dim // 2 or kwargs[prefix + "_pass_start"] != rotary_dim:
+        return None
+    if not isinstance(kwargs[prefix + "_pass_end"], int) or kwargs[prefix + "_pass_end"] < head_dim:
+        return None
+    for name in ("_slice_dim", "_split_dim", "_cat_dim", "_pass_dim", "_join_dim"):
+        if kwargs[prefix + name] not in (-1, 2):
+            return None
+    return head_dim, rotary_dim
+
+
+def _check_rope(match: Match) -> bool:
+    kwargs = match.kwargs
+    op = _qk_op_of(kwargs["qk_op"])
+    if op is None:
+        return False
+    q, k = (user.meta.get("val") for user in sorted(op.users, key=lambda user: user.args[1]))
+    if q is None or k is None or q.dim() != 2 or k.dim() != 2:
+        return False
+    q_geometry = _rope_geometry(kwargs, "q", q.shape[1])
+    if q_geometry is None or _rope_geometry(kwargs, "k", k.shape[1]) != q_geometry:
+        return False
+    if any(kwargs[name] != q.dtype for name in ("q_cos_dtype", "q_sin_dtype", "k_cos_dtype",
+                                                  "k_sin_dtype")):
+        return False
+    source = _cos_sin_source(kwargs, q_geometry[1])
+    return source is not None and source[0].meta["val"].shape[0] == q.shape[0]
+
+
+def _rewrite_rope(match: Match, *args, **kwargs) -> None:
+    op = kwargs["qk_op"]
+    head_dim, rotary_dim = _rope_geometry(kwargs, "q", int(_op_arg(op, 4, "q_size", 0)))
+    positions, cache = _cos_sin_source(kwargs, rotary_dim)
+    a = list(op.args[:10])
+    algorithm = _op_arg(op, 15, "algorithm", 0)
+
+    def replacement(rows, q_weight, k_weight, positions, cache):
+        return torch.ops.tpfuse.allreduce_qk_rmsnorm.default(
+            a[0], rows, q_weight, k_weight, a[4], a[5], a[6], a[7], a[8], a[9], positions, cache,
+            head_dim, rotary_dim, 1, algorithm,
+        )
+
+    match.replace_by_example(replacement, [op.args[1], op.args[2], op.args[3], positions, cache])
+    stats["allreduce_qk_rmsnorm_rope"] += 1
+
+
+def _register_rope(patterns: PatternMatcherPass) -> None:
+    import operator
+
+    # cos and sin: the halves of cache[positions], each used by the q and the k chain (the shared
+    # nodes anchor the two outputs of the pattern).
+    halves_of_row = CallFunction(
+        aten.split.Tensor,
+        CallFunction(aten.index.Tensor, KeywordArg("cache"), [KeywordArg("positions")]),
+        KeywordArg("cos_sin_half"),
+        KeywordArg("cos_sin_dim"),
+        _users=2,
+    )
+    cos_half = CallFunction(operator.getitem, halves_of_row, 0, _users=2)
+    sin_half = CallFunction(operator.getitem, halves_of_row, 1, _users=2)
+
+    def chain(prefix: str):
+        def arg(name):
+            return KeywordArg(prefix + name)
+
+        # x: output 0 (q) or 1 (k) of the fused QK norm, used by this chain only.
+        x = CallFunction(operator.getitem, KeywordArg("qk_op"), 0 if prefix == "q" else 1)
+        heads = CallFunction(aten.reshape.default, x, arg("_heads_shape"), _users=2)
+        rotated = CallFunction(aten.slice.Tensor, heads, arg("_slice_dim"), 0, arg("_rotary_dim"))
+        halves = CallFunction(aten.split.Tensor, rotated, arg("_half"), arg("_split_dim"), _users=2)
+        x1 = CallFunction(operator.getitem, halves, 0, _users=2)
+        x2 = CallFunction(operator.getitem, halves, 1, _users=2)
+
+        def trig(half, name):
+            return CallFunction(
+                prims.convert_element_type.default,
+                CallFunction(aten.unsqueeze.default, half, -2),
+                arg("_" + name + "_dtype"),
+                _users=2,
+            )
+
+        cos, sin = trig(cos_half, "cos"), trig(sin_half, "sin")
+        first = CallFunction(
+            aten.sub.Tensor, CallFunction(aten.mul.Tensor, x1, cos),
+            CallFunction(aten.mul.Tensor, x2, sin),
+        )
+        second = CallFunction(
+            aten.add.Tensor, CallFunction(aten.mul.Tensor, x2, cos),
+            CallFunction(aten.mul.Tensor, x1, sin),
+        )
+        joined = CallFunction(aten.cat.default, [first, second], arg("_cat_dim"))
+        passed = CallFunction(
+            aten.slice.Tensor, heads, arg("_pass_dim"), arg("_pass_start"), arg("_pass_end")
+        )
+        return CallFunction(
+            aten.reshape.default,
+            CallFunction(aten.cat.default, [joined, passed], arg("_join_dim")),
+            arg("_out_shape"),
+        )
+
+    pattern = MultiOutputPattern([chain("q"), chain("k")])
+    register_graph_pattern(pattern, extra_check=_check_rope, pass_dict=patterns)(_rewrite_rope)
+
+
+@functools.lru_cache(None)
+def _rope_patterns() -> PatternMatcherPass:
+    patterns = PatternMatcherPass(pass_name="tpfuse_qk_rope")
+    _register_rope(patterns)
+    return patterns
+
+
 class _Pass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         before = _ops_of(graph)
         _patterns().apply(graph)
+        graph.eliminate_dead_code()
+        _rope_patterns().apply(graph)
         graph.eliminate_dead_code()
         graphs.append({"before": before, "after": _ops_of(graph)})
 

@@ -56,13 +56,14 @@ void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_
                    load_at(p.k_gamma, e, sizeof(T)), scale_k, lanes);
   }
   if (p.rope != 0) {
+    // Vector by vector, as the GPU kernel: partners are read from the unrotated row.
     const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
-    for (int64_t head = 0; head < p.q_size + p.kv_size; head += p.head_dim) {
-      for (int64_t j = 0; j < p.head_dim; ++j) {
-        rotated[j] = rope_element(&normalized[head], j, p.rotary_dim, p.rope, cos_sin);
-      }
-      std::memcpy(&normalized[head], rotated.data(), size_t(p.head_dim) * sizeof(float));
+    for (int64_t e = 0; e < p.q_size + p.kv_size; e += kElements) {
+      float(&lanes)[kElements] = *reinterpret_cast<float(*)[kElements]>(&rotated[e]);
+      rope_lanes<kElements>(lanes, normalized.data(), int(e), int(p.head_dim), int(p.rotary_dim),
+                            p.rope, cos_sin);
     }
+    normalized.swap(rotated);
   }
   for (int64_t e = 0; e < p.q_size + p.kv_size; e += kElements) {
     const Vec16 out = pack<T>(*reinterpret_cast<const float(*)[kElements]>(&normalized[e]));
@@ -78,7 +79,7 @@ void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_
 template <typename T>
 void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
   std::vector<float> normalized(size_t(p.q_size + p.kv_size));
-  std::vector<float> rotated(size_t(p.head_dim > 0 ? p.head_dim : 1));
+  std::vector<float> rotated(size_t(p.q_size + p.kv_size));
   if (pass == QkPass::kSums) {
     for (int64_t token = 0; token < p.tokens; ++token) {
       row_sums<T>(p, token, p.sums[2 * token], p.sums[2 * token + 1]);

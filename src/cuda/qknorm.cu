@@ -210,13 +210,9 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int64_t c = vector_of(i);
         if (c >= vectors) continue;
-        const int64_t start = c * kElements;
-        const int64_t head = start / p.head_dim * p.head_dim;
-#pragma unroll
-        for (int e = 0; e < kElements; ++e) {
-          lanes[i][e] =
-              rope_element(normalized + head, start + e - head, p.rotary_dim, p.rope, cos_sin);
-        }
+        // 32-bit offsets: a RoPE row is at most kMaxQkRopeWidth elements.
+        rope_lanes<kElements>(lanes[i], normalized, int(c * kElements), int(p.head_dim),
+                              int(p.rotary_dim), p.rope, cos_sin);
       }
     }
 #pragma unroll

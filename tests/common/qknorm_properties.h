@@ -292,7 +292,10 @@ inline QkSpec random_qk_spec(std::mt19937_64& rng, int world) {
   s.in_place = rng() % 3 == 0;
   const RopeStyle styles[] = {RopeStyle::kNone, RopeStyle::kNeox, RopeStyle::kInterleaved};
   s.rope = styles[rng() % 3];
-  s.rotary_dim = std::max<int64_t>(2, s.head_dim / (rng() % 2 ? 2 : 1));
+  // Full, half (MiniMax-M2's 64 of 128), and an even width that is not a multiple of the vector
+  // (halves and heads then straddle 16-byte vectors: the element-by-element RoPE path).
+  const int64_t rotary_dims[] = {s.head_dim, s.head_dim / 2, s.head_dim / 4 + 2};
+  s.rotary_dim = std::min<int64_t>(s.head_dim, std::max<int64_t>(2, rotary_dims[rng() % 3]));
   if ((s.q_size() + s.kv_size()) > kMaxQkRopeWidth) s.rope = RopeStyle::kNone;
   return s;
 }

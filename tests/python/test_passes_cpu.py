@@ -178,6 +178,73 @@ class Passes(unittest.TestCase):
             model, qkv, torch.ones(q_size, dtype=torch.float16), torch.ones(kv_size, dtype=torch.float16)
         )
 
+    def check_qk_rope(self, model, args, rope_sites):
+        torch._dynamo.reset()
+        passes.stats["allreduce_qk_rmsnorm"] = 0
+        passes.stats["allreduce_qk_rmsnorm_rope"] = 0
+        passes.graphs.clear()
+        expected = model(*args)
+        got = torch.compile(model, fullgraph=True)(*args)
+        self.assertEqual(passes.stats["allreduce_qk_rmsnorm"], 1)
+        self.assertEqual(passes.stats["allreduce_qk_rmsnorm_rope"], rope_sites)
+        before = [op for g in passes.graphs for op in g["before"]]
+        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(after.count(ALL_REDUCE), 0, after)
+        self.assertEqual(after.count("tpfuse.allreduce_qk_rmsnorm.default"), 1, after)
+        # Folded: the RoPE arithmetic (and the cache lookup) left the graph; else it stayed.
+        for op, count in (("aten.index.Tensor", 1), ("aten.sub.Tensor", 2)):  # sub: q and k
+            self.assertEqual(before.count(op), count, before)
+            self.assertEqual(after.count(op), count * (1 - rope_sites), after)
+        self.check_close(got, expected)
+
+    def rope_inputs(self, tokens, q_size, kv_size, rotary_dim, seed=11):
+        generator = torch.Generator().manual_seed(seed)
+        qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=generator).to(torch.bfloat16)
+        q_weight = (1 + 0.1 * torch.randn(q_size, generator=generator)).to(torch.bfloat16)
+        k_weight = (1 + 0.1 * torch.randn(kv_size, generator=generator)).to(torch.bfloat16)
+        positions = torch.randint(0, 100, (tokens,), generator=generator)
+        angles = torch.rand(100, rotary_dim // 2, generator=generator) * 6.28
+        cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # fp32 [positions, rotary_dim]
+        return qkv, q_weight, k_weight, positions, cache
+
+    def test_minimax_qk_norm_then_neox_partial_rope_is_folded(self):
+        q_size, kv_size, head_dim, rotary_dim = 256, 128, 64, 32
+
+        def model(qkv, q_weight, k_weight, positions, cache):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = qk_norm(q, k, q_weight, k_weight, 1e-6)
+            q, k = native_rope(positions, q, k, cache, head_dim, rotary_dim)
+            return q, k, v
+
+        self.check_qk_rope(model, self.rope_inputs(5, q_size, kv_size, rotary_dim), 1)
+
+    def test_rope_on_a_normalized_q_used_elsewhere_is_left_alone(self):
+        q_size, kv_size, head_dim, rotary_dim = 128, 64, 64, 32
+
+        def model(qkv, q_weight, k_weight, positions, cache):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = qk_norm(q, k, q_weight, k_weight, 1e-6)
+            q_rope, k_rope = native_rope(positions, q, k, cache, head_dim, rotary_dim)
+            return q_rope, k_rope, q * 2  # the un-rotated q is needed too
+
+        self.check_qk_rope(model, self.rope_inputs(3, q_size, kv_size, rotary_dim), 0)
+
+
+def native_rope(positions, q, k, cache, head_dim, rotary_dim):
+    """Rotate-half partial RoPE as vLLM's RotaryEmbedding.forward_native writes it."""
+    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+
+    def rotate(x):
+        shape = x.shape
+        x = x.view(positions.shape[0], -1, head_dim)
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        c, s = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+        x1, x2 = torch.chunk(rotated, 2, dim=-1)
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((rotated, passed), dim=-1).reshape(shape)
+
+    return rotate(q), rotate(k)
+
 
 def qk_norm(q, k, q_weight, k_weight, eps, world=1):
     """MiniMax-M2's QK norm as a TP engine writes it: one all-reduce of both mean squares."""

@@ -56,4 +56,54 @@ TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_
   return j % 2 == 0 ? head[j] * c - head[j + 1] * s : head[j] * c + head[j - 1] * s;
 }
 
+// RoPE of one vector: `lanes` become elements [start, start + kN) of the normalized row `row`
+// (which holds every head's normalized fp32 values, unrotated: the partners), rotated. The same
+// arithmetic as rope_element for each element; when the kN elements lie in one head and one
+// rotary half (neox) or pairs (interleaved), the head, the cos/sin index and the partner offset
+// are worked out once for the vector instead of once per element.
+template <int kN>
+TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start, int head_dim,
+                                int rotary_dim, int style, const float* cos_sin) {
+  const int j0 = start % head_dim;
+  const int half = rotary_dim / 2;
+  const float* head = row + (start - j0);
+  const bool one_head = j0 + kN <= head_dim;
+  if (one_head && j0 >= rotary_dim) {
+    TPF_UNROLL
+    for (int e = 0; e < kN; ++e) lanes[e] = head[j0 + e];
+    return;
+  }
+  if (one_head && style == 1 && (j0 + kN <= half || (j0 >= half && j0 + kN <= rotary_dim))) {
+    if (j0 < half) {  // (j, j + half): x * cos - partner * sin
+      TPF_UNROLL
+      for (int e = 0; e < kN; ++e) {
+        lanes[e] = head[j0 + e] * cos_sin[j0 + e] - head[j0 + e + half] * cos_sin[half + j0 + e];
+      }
+    } else {  // (j, j - half): x * cos + partner * sin
+      const int i0 = j0 - half;
+      TPF_UNROLL
+      for (int e = 0; e < kN; ++e) {
+        lanes[e] = head[j0 + e] * cos_sin[i0 + e] + head[i0 + e] * cos_sin[half + i0 + e];
+      }
+    }
+    return;
+  }
+  if (one_head && style == 2 && kN % 2 == 0 && j0 % 2 == 0 && j0 + kN <= rotary_dim) {
+    TPF_UNROLL
+    for (int e = 0; e < kN; e += 2) {  // (2i, 2i + 1)
+      const int i = (j0 + e) / 2;
+      const float c = cos_sin[i];
+      const float s = cos_sin[half + i];
+      lanes[e] = head[j0 + e] * c - head[j0 + e + 1] * s;
+      lanes[e + 1] = head[j0 + e + 1] * c + head[j0 + e] * s;
+    }
+    return;
+  }
+  TPF_UNROLL
+  for (int e = 0; e < kN; ++e) {  // the vector spans heads or halves: element by element
+    const int j = (start + e) % head_dim;
+    lanes[e] = rope_element(row + (start + e - j), j, rotary_dim, style, cos_sin);
+  }
+}
+
 }  // namespace tpfuse::impl
