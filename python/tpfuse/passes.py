@@ -15,7 +15,9 @@ Token counts the workspace cannot carry still run: the op itself takes the NCCL 
 
 And MiniMax-M2's QK norm as a TP engine writes it (per-rank mean squares of q and k, one
 all-reduce of both concatenated, divided by the world size, normalized, weighted, back to the
-input dtype; q and k split from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``.
+input dtype; q and k split from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``; a
+rotate-half partial rotary embedding applied to its q and k as engines write it natively (vLLM's
+``RotaryEmbedding.forward_native``) is then folded into that op (a second stage, below).
 
 Numerics: the fused op sums in fp32 and rounds once, so its outputs can differ from the unfused
 graph's (which rounds the all-reduce, then the add) in the last bits.
