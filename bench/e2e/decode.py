@@ -1,0 +1,508 @@
+"""End-to-end decode benchmark: a MiniMax-M2-shaped TP model (model.py), unfused against fused.
+
+    python3 bench/e2e/decode.py --out bench/results/e2e.json      # one process per GPU it finds
+    python3 bench/e2e/decode.py --cpu --layers 2 ...               # the CPU smoke run (world 1)
+
+Modes (same weights, same inputs):
+  nccl      (a) NCCL all-reduce (torch.distributed, in place) + separate norms, as an engine
+                without fusion runs it
+  symm_mem  (b) torch symmetric-memory one-shot all-reduce + separate norms (CUDA only)
+  tpfuse    (c) tpfuse's fused ops called directly (add + RMSNorm; QK norm with RoPE)
+  compiled  (d) the unfused model written with functional collectives, each layer compiled with
+                torch.compile and tpfuse's passes installed
+  local     no collectives at all (wrong outputs): the compute floor, for the share of step time
+            in collectives
+
+Each (mode, batch, context, layer count) is timed as a CUDA graph of one decode step (the step
+feeds its argmax back as the next tokens and advances the positions), replayed; the median replay
+is the step time. Two layer counts give the per-layer slope and a projection to 62 layers
+(fixed part + 62 x slope). Correctness, at the larger layer count: the first step's logits of
+each mode against mode (a) (relative error), and the greedy tokens of 32 steps from the same
+state. Results: one JSON of records (bench/results/), summarized on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from model import (  # noqa: E402
+    Collectives,
+    Config,
+    Decoder,
+    KvCache,
+    Weights,
+    grouped_gemm_works,
+    relative_error,
+    rms_norm,
+    rope,
+    tokens_per_second,
+)
+
+MODES = ("nccl", "symm_mem", "tpfuse", "compiled", "local")
+
+
+def _split_qk(qkv, config, local):
+    q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
+    return qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+
+
+def _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, reduce):
+    """MiniMax-M2's QK norm as a TP engine writes it: one all-reduce of both mean squares."""
+    q, k = _split_qk(qkv, config, local)
+    qf, kf = q.float(), k.float()
+    variance = torch.cat(
+        [qf.pow(2).mean(-1, keepdim=True), kf.pow(2).mean(-1, keepdim=True)], dim=-1
+    )
+    variance = reduce(variance) / world
+    q_var, k_var = variance.chunk(2, dim=-1)
+    q = (qf * torch.rsqrt(q_var + config.eps) * w["q_norm"]).to(qkv.dtype)
+    k = (kf * torch.rsqrt(k_var + config.eps) * w["k_norm"]).to(qkv.dtype)
+    return rope(positions, q, k, cos_sin, config.head_dim, config.rotary_dim)
+
+
+class _Gather:
+    def __init__(self, group, world):
+        self.group, self.world = group, world
+
+    def all_gather(self, x):
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        out = torch.empty((self.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+class Nccl(_Gather, Collectives):
+    name = "nccl"
+
+    def _reduce(self, x):
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def add_rms_norm(self, partial, residual, weight, eps):
+        residual = self._reduce(partial) + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
+        return _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, self._reduce)
+
+
+class Functional(Nccl):
+    """The unfused model in the form torch.compile traces (functional collectives): mode (d)
+    compiles it with tpfuse's passes installed."""
+
+    name = "compiled"
+
+    def _reduce(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", self.group)
+
+
+class Local(Nccl):
+    name = "local"
+
+    def _reduce(self, x):
+        return x
+
+
+class SymmMem(Nccl):
+    """torch's symmetric-memory one-shot all-reduce (no multicast): the input is copied into a
+    symmetric buffer, reduced, then the separate norms."""
+
+    name = "symm_mem"
+
+    def __init__(self, group, world, max_tokens, hidden, device):
+        super().__init__(group, world)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = group.group_name
+        self.buffers = {}
+        for dtype, width in ((torch.bfloat16, hidden), (torch.float32, 2)):
+            buffer = symm_mem.empty((max_tokens, width), dtype=dtype, device=device)
+            symm_mem.rendezvous(buffer, self.group_name)
+            self.buffers[dtype] = buffer
+
+    def _reduce(self, x):
+        buffer = self.buffers[x.dtype][: x.shape[0]]
+        buffer.copy_(x)
+        return torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", self.group_name)
+
+
+class Tpfuse(_Gather, Collectives):
+    name = "tpfuse"
+
+    def __init__(self, group, world, team):
+        super().__init__(group, world)
+        self.team = team
+
+    def add_rms_norm(self, partial, residual, weight, eps):
+        import tpfuse
+
+        return tpfuse.allreduce_add_rmsnorm(self.team, partial, residual, weight, eps)
+
+    def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
+        import tpfuse
+
+        q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
+        return tpfuse.allreduce_qk_rmsnorm(
+            self.team, qkv, w["q_norm"], w["k_norm"], q_size, kv_size,
+            config.heads * config.head_dim, config.kv_heads * config.head_dim, config.eps,
+            kv_replicas=local.kv_replicas, positions=positions, cos_sin_cache=cos_sin,
+            head_dim=config.head_dim, rotary_dim=config.rotary_dim,
+            rope_style=tpfuse.RopeStyle.NEOX,
+        )
+
+
+def _commit() -> str:
+    if os.environ.get("TPFUSE_BENCH_COMMIT"):
+        return os.environ["TPFUSE_BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Runner:
+    """One rank's part of the benchmark."""
+
+    def __init__(self, args, rank, world, device, group):
+        self.args, self.rank, self.world, self.device, self.group = args, rank, world, device, group
+        self.config = Config(layers=max(args.layers), experts=args.experts, vocab=args.vocab)
+        if args.small:
+            self.config = Config(hidden=256, heads=4, kv_heads=2, head_dim=64, rotary_dim=32,
+                                 experts=8, top_k=2, expert_inter=128, vocab=512,
+                                 layers=max(args.layers), max_position=4096)
+        self.weights = Weights(self.config, rank, world, device)
+        self.grouped = grouped_gemm_works(device)
+        self.cuda = device.type == "cuda"
+        self.team = None
+        if {"tpfuse", "compiled"} & set(args.modes):
+            import tpfuse
+
+            if world == 1:
+                (self.team,) = tpfuse.cpu_team(1)  # the CPU smoke run
+            else:
+                self.team = tpfuse.Team.from_group(group)
+
+    def collectives(self, mode, batch):
+        if mode == "nccl":
+            return Nccl(self.group, self.world)
+        if mode == "compiled":
+            return Functional(self.group, self.world)
+        if mode == "local":
+            return Local(self.group, self.world)
+        if mode == "tpfuse":
+            return Tpfuse(self.group, self.world, self.team)
+        if mode == "symm_mem":
+            return SymmMem(self.group, self.world, batch, self.config.hidden, self.device)
+        raise ValueError(f"unknown mode {mode}")
+
+    def state(self, batch, context):
+        generator = torch.Generator().manual_seed(batch * 7919 + context)
+        tokens = torch.randint(0, self.config.vocab, (batch,), generator=generator)
+        return (
+            tokens.to(self.device),
+            torch.full((batch,), context, dtype=torch.int64, device=self.device),
+            torch.zeros(1, dtype=torch.int64, device=self.device),
+        )
+
+    def run(self):
+        records = []
+        for batch in self.args.batches:
+            for context in self.args.contexts:
+                cache = KvCache(self.config, self.weights.local, batch, context, self.rank,
+                                self.device)
+                reference = None
+                for mode in self.args.modes:
+                    if mode == "symm_mem" and (not self.cuda or self.world == 1):
+                        continue
+                    try:
+                        collectives = self.collectives(mode, batch)
+                    except Exception as error:  # noqa: BLE001 -- reported, the run goes on
+                        records.append(self.record(mode, batch, context, 0,
+                                                   error=f"{type(error).__name__}: {error}"))
+                        continue
+                    if mode == "compiled":
+                        import tpfuse.passes as passes
+
+                        torch._dynamo.reset()
+                        passes.install(self.team, self.group)
+                    for layers in sorted(self.args.layers):
+                        decoder = Decoder(self.weights, cache, collectives, self.world,
+                                          self.grouped, layers=layers,
+                                          compile_layer=mode == "compiled")
+                        record = self.measure(decoder, mode, batch, context, layers)
+                        if layers == max(self.args.layers):
+                            tokens, logits = self.greedy(decoder, cache, batch, context)
+                            if mode == "nccl":
+                                reference = (tokens, logits)
+                            if reference is not None:
+                                record["logits_rel_err_vs_nccl"] = relative_error(
+                                    logits, reference[1])
+                                record["greedy_steps_equal_nccl"] = int(
+                                    (tokens == reference[0]).all(dim=1).cumprod(0).sum())
+                                record["greedy_steps"] = int(tokens.shape[0])
+                            if mode == "compiled":
+                                import tpfuse.passes as passes
+
+                                record["pass_rewrites"] = dict(passes.stats)
+                        records.append(record)
+                    if mode == "compiled":
+                        import tpfuse.passes as passes
+
+                        passes.uninstall()
+        return records
+
+    def step_fn(self, decoder, tokens, positions, slot, context):
+        def step():
+            logits = decoder.step(tokens, positions, slot)
+            tokens.copy_(logits.argmax(-1))
+            positions.add_(1)
+            slot.copy_((slot + 1) % context)
+            return logits
+
+        return step
+
+    def measure(self, decoder, mode, batch, context, layers):
+        tokens, positions, slot = self.state(batch, context)
+        step = self.step_fn(decoder, tokens, positions, slot, context)
+        times = []
+        if self.cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(self.args.replays):
+                self.barrier()
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            eager = []
+            for _ in range(5):
+                self.barrier()
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                eager.append((time.perf_counter() - begin) * 1e3)
+            del graph
+        else:
+            step()  # warm-up (compiles)
+            for _ in range(self.args.replays):
+                begin = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - begin) * 1e3)
+            eager = times
+        ms = statistics.median(times)
+        record = self.record(mode, batch, context, layers)
+        record.update(ms_per_step=ms, eager_ms_per_step=statistics.median(eager),
+                      tokens_per_s=tokens_per_second(batch, ms),
+                      method="cuda graph of one decode step, median of replays"
+                      if self.cuda else "eager, wall time, median")
+        return record
+
+    def greedy(self, decoder, cache, batch, context):
+        """32 steps (argmax fed back) from the same state: the tokens, and the first logits."""
+        cache.reset()
+        tokens, positions, slot = self.state(batch, context)
+        step = self.step_fn(decoder, tokens, positions, slot, context)
+        history, first = [], None
+        for index in range(self.args.greedy_steps):
+            logits = step()
+            if index == 0:
+                first = logits.float().cpu()
+            history.append(tokens.cpu().clone())
+        cache.reset()
+        return torch.stack(history), first
+
+    def barrier(self):
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def record(self, mode, batch, context, layers, error=None):
+        c = self.config
+        record = {
+            "mode": mode, "batch": batch, "context": context, "layers": layers,
+            "world_size": self.world, "moe": "grouped_mm" if self.grouped else "gathered_bmm",
+            "config": {"hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
+                       "head_dim": c.head_dim, "rotary_dim": c.rotary_dim, "experts": c.experts,
+                       "top_k": c.top_k, "expert_inter": c.expert_inter, "vocab": c.vocab},
+        }
+        if error is not None:
+            record["error"] = error
+        return record
+
+
+def summarize(records, info):
+    """Per (mode, batch, context): step time at each layer count, the per-layer slope, the
+    projection to 62 layers, tokens/s there, and the collectives' share (against 'local')."""
+    by_key = {}
+    for r in records:
+        if "ms_per_step" in r:
+            by_key.setdefault((r["mode"], r["batch"], r["context"]), {})[r["layers"]] = r
+    summary = []
+    for (mode, batch, context), by_layers in sorted(by_key.items()):
+        counts = sorted(by_layers)
+        entry = {"mode": mode, "batch": batch, "context": context,
+                 "ms_per_step": {str(n): by_layers[n]["ms_per_step"] for n in counts}}
+        if len(counts) >= 2:
+            low, high = counts[0], counts[-1]
+            slope = (by_layers[high]["ms_per_step"] - by_layers[low]["ms_per_step"]) / (high - low)
+            projected = by_layers[low]["ms_per_step"] + (62 - low) * slope
+            entry.update(ms_per_layer=slope, projected_ms_per_step_62_layers=projected,
+                         projected_tokens_per_s_62_layers=tokens_per_second(batch, projected))
+        top = by_layers[counts[-1]]
+        for name in ("logits_rel_err_vs_nccl", "greedy_steps_equal_nccl", "greedy_steps",
+                     "pass_rewrites"):
+            if name in top:
+                entry[name] = top[name]
+        summary.append(entry)
+    floor = {(s["batch"], s["context"]): s for s in summary if s["mode"] == "local"}
+    for s in summary:
+        base = floor.get((s["batch"], s["context"]))
+        if base and "ms_per_layer" in s and "ms_per_layer" in base and s["ms_per_layer"] > 0:
+            s["collective_share_per_layer"] = 1 - base["ms_per_layer"] / s["ms_per_layer"]
+    return summary
+
+
+def print_summary(summary):
+    print(f"{'mode':>9} {'batch':>5} {'ctx':>5} {'ms/layer':>9} {'ms/step@62':>11} "
+          f"{'tok/s@62':>9} {'coll.share':>10} {'logit err':>9} {'greedy=':>7}")
+    for s in summary:
+        def fmt(name, spec):
+            return format(s[name], spec) if name in s else "-"
+
+        greedy = (f"{s['greedy_steps_equal_nccl']}/{s['greedy_steps']}"
+                  if "greedy_steps" in s else "-")
+        print(f"{s['mode']:>9} {s['batch']:>5} {s['context']:>5} {fmt('ms_per_layer', '9.4f')} "
+              f"{fmt('projected_ms_per_step_62_layers', '11.3f')} "
+              f"{fmt('projected_tokens_per_s_62_layers', '9.1f')} "
+              f"{fmt('collective_share_per_layer', '10.2f')} "
+              f"{fmt('logits_rel_err_vs_nccl', '9.2e')} {greedy:>7}")
+
+
+def _rank_main(rank, world, args, store_path, queue):
+    try:
+        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                            ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(name, value)
+        import torch.distributed as dist
+
+        if args.cpu:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                    world_size=world)
+        else:
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+            dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
+                                    world_size=world, device_id=device)
+        torch._inductor.config.force_disable_caches = True
+        runner = Runner(args, rank, world, device, dist.group.WORLD)
+        records = runner.run()
+        queue.put((rank, records, None))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the parent
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    parser.add_argument("--batches", type=ints, default=[1, 8, 32, 128])
+    parser.add_argument("--contexts", type=ints, default=[512, 4096])
+    parser.add_argument("--layers", type=ints, default=[2, 6],
+                        help="two layer counts: the per-layer slope and the 62-layer projection")
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=200064)
+    parser.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--greedy-steps", type=int, default=32)
+    parser.add_argument("--world", type=int, default=0, help="ranks (default: every GPU)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (gloo, world 1)")
+    parser.add_argument("--small", action="store_true", help="a tiny config (smoke tests)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    for mode in args.modes:
+        if mode not in MODES:
+            parser.error(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.cpu:
+        world = 1
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA GPUs: run with --cpu for the CPU smoke run", file=sys.stderr)
+            return 2
+        world = args.world or torch.cuda.device_count()
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    processes = [context.Process(target=_rank_main, args=(r, world, args, store, queue))
+                 for r in range(world)]
+    for process in processes:
+        process.start()
+    results = [queue.get() for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 1
+    records = next(records for rank, records, _ in results if rank == 0)
+    info = {
+        "device": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if not args.cpu else "",
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "world_size": world,
+    }
+    summary = summarize(records, info)
+    print_summary(summary)
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump({"info": info, "summary": summary, "records": records}, file, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
