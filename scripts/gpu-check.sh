@@ -2,10 +2,11 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench python" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench python e2e" scripts/gpu-check.sh
 #
 # python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
-# passes under CUDA graphs) and bench/torch_host_overhead.py.
+# passes under CUDA graphs) and bench/torch_host_overhead.py. e2e: the end-to-end decode
+# benchmark (bench/e2e/decode.py; E2E_ARGS narrows it).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -90,6 +91,15 @@ if [[ " $STEPS " == *" python "* ]]; then
   done
   timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
     tee -a "$OUT/python.log" || status=1
+fi
+if [[ " $STEPS " == *" e2e "* ]]; then
+  step e2e
+  # The end-to-end decode benchmark (bench/e2e/decode.py), one process per GPU; E2E_ARGS narrows
+  # it (batches, contexts, layer counts, modes) to fit a call.
+  export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${E2E_TIMEOUT:-400} \
+    python3 bench/e2e/decode.py --out "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" |
+    grep -v -i warn | tail -45 || status=1
 fi
 # The device tool returns at most 8 files: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
