@@ -142,6 +142,26 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t 
   }
 }
 
+// What a call needs from its rank's control block: the slot it uses, the bytes per sender the
+// slot before it received (to clear), and whether the team has failed.
+struct CallState {
+  uint32_t slot;
+  uint32_t failed;
+  uint64_t clear_bytes;
+};
+
+// Thread 0's read of the control block at the start of a call (after griddepcontrol.wait).
+// Volatile loads: the writer was a previous grid, complete and flushed (the wait), and L1 must
+// not serve an older copy.
+__device__ __forceinline__ CallState read_call_state(const ControlBlock* control) {
+  CallState state;
+  state.slot = *reinterpret_cast<const volatile uint32_t*>(&control->slot);
+  state.failed = *reinterpret_cast<const volatile uint32_t*>(&control->error);
+  state.clear_bytes =
+      *reinterpret_cast<const volatile uint64_t*>(&control->slot_bytes[slot_to_clear(state.slot)]);
+  return state;
+}
+
 // The last block of a call to arrive advances the slot index (every block read it before it
 // arrived) and records the bytes each sender stored into this call's slot, which the next call
 // clears. Called by thread 0 of each block after its sends.

@@ -62,28 +62,19 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
-  __shared__ uint32_t shared_slot;
-  __shared__ uint64_t shared_clear_bytes;
-  __shared__ uint32_t shared_failed;
+  __shared__ CallState shared_state;
 
   grid_dependency_wait();
 
   // 1. Thread 0 reads the control block while every thread loads its first row of input: the
-  // two latencies overlap. Volatile loads: the writer was a previous grid, complete and flushed
-  // (the wait), and L1 must not serve an older copy.
-  if (threadIdx.x == 0) {
-    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
-    shared_slot = slot;
-    shared_clear_bytes =
-        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
-    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
-  }
+  // two latencies overlap.
+  if (threadIdx.x == 0) shared_state = read_call_state(control);
   Vec16 input[kVecsPerThread];
   load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
   __syncthreads();
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
-  if (shared_failed != 0) return;
-  const uint32_t slot = shared_slot;
+  if (shared_state.failed != 0) return;
+  const uint32_t slot = shared_state.slot;
 
   // 2. Send.
   const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
@@ -110,8 +101,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   launch_dependents();
 
   // 5. Clear.
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes,
-             p.rank);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_state.clear_bytes, world,
+             p.packet_bytes, p.rank);
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];

@@ -51,24 +51,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   float* const cos_sin = rope_shared + (p.q_size + p.kv_size);
   __shared__ float2 shared_sums[33];
   __shared__ float shared_scale[2];
-  __shared__ uint32_t shared_slot;
-  __shared__ uint64_t shared_clear_bytes;
-  __shared__ uint32_t shared_failed;
+  __shared__ CallState shared_state;
 
   grid_dependency_wait();
   if constexpr (!kFused) launch_dependents();  // a local pass has no slot to protect
 
   // 1. Thread 0 reads the control block while every thread loads its vectors (step 2): the two
-  // latencies overlap, and the first block sum's barrier publishes what thread 0 read. Volatile
-  // loads: the writer was a previous grid, complete and flushed (the wait).
-  uint32_t slot = 0, failed = 0;
+  // latencies overlap, and the first block sum's barrier publishes what thread 0 read.
+  CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
-    slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
-    failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
-    shared_slot = slot;
-    shared_failed = failed;
-    shared_clear_bytes =
-        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
+    state = read_call_state(control);
+    shared_state = state;
   }
 
   // RoPE: this thread's element of its block's first token's cos/sin row, loaded now so that
@@ -105,8 +98,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       p.sums[2 * token] = sums.x;
       p.sums[2 * token + 1] = p.counts_k ? sums.y : 0.0f;
     }
-    if (kFused && threadIdx.x == 0 && failed == 0) {
-      const size_t send_offset = packet_offset(slot, rank, world, p.exchange.packet_bytes);
+    if (kFused && threadIdx.x == 0 && state.failed == 0) {
+      const size_t send_offset = packet_offset(state.slot, rank, world, p.exchange.packet_bytes);
       const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
 #pragma unroll
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
@@ -118,16 +111,14 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
 
   if constexpr (kPass == QkPass::kSums) return;
-  if (kFused) {
-    if (shared_failed != 0) return;
-    slot = shared_slot;
-  }
+  if (kFused && shared_state.failed != 0) return;
+  const uint32_t slot = kFused ? shared_state.slot : 0;
 
   // 3. Arrival, trigger, clear.
   if (kFused && threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
-    clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_clear_bytes, world,
+    clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_state.clear_bytes, world,
                p.exchange.packet_bytes, rank);
   }
 

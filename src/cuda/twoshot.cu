@@ -49,26 +49,18 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, world);
   __shared__ float shared_sums[33];
-  __shared__ uint32_t shared_slot;
-  __shared__ uint64_t shared_clear_bytes;
-  __shared__ uint32_t shared_failed;
+  __shared__ CallState shared_state;
 
   grid_dependency_wait();
 
   // 1. Thread 0 reads the control block while every thread loads its first input row (the
   // latencies overlap; see oneshot.cu).
-  if (threadIdx.x == 0) {
-    const uint32_t slot = *reinterpret_cast<volatile uint32_t*>(&control->slot);
-    shared_slot = slot;
-    shared_clear_bytes =
-        *reinterpret_cast<volatile uint64_t*>(&control->slot_bytes[slot_to_clear(slot)]);
-    shared_failed = *reinterpret_cast<volatile uint32_t*>(&control->error);
-  }
+  if (threadIdx.x == 0) shared_state = read_call_state(control);
   Vec16 input[kVecsPerThread];
   load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
   __syncthreads();
-  if (shared_failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
-  const uint32_t slot = shared_slot;
+  if (shared_state.failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
+  const uint32_t slot = shared_state.slot;
   const size_t my_sender_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
@@ -90,8 +82,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   // 3.
   if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
   launch_dependents();
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_clear_bytes, world, p.packet_bytes,
-             p.rank);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_state.clear_bytes, world,
+             p.packet_bytes, p.rank);
 
   Vec16 gamma[kVecsPerThread];
   if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);

@@ -1,7 +1,8 @@
 """The torch ops and passes on GPUs, one process per GPU over an NCCL process group (skipped with
 fewer than two GPUs): Team.from_group, the ops against float64 and across ranks, and a compiled
-two-layer model with the passes installed, under CUDA graphs (mode="reduce-overhead"), against
-the eager unfused model; a group of one is refused."""
+layer (all-reduce + add + RMSNorm; MiniMax-M2's QK norm and partial RoPE) with the passes
+installed, under CUDA graphs (mode="reduce-overhead"), against the eager unfused layer; a group of
+one is refused."""
 
 import os
 import tempfile
@@ -13,7 +14,7 @@ import torch
 WORLD = min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
 
 
-def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world):
+def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -32,7 +33,19 @@ def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world)
     q_var, k_var = variance.chunk(2, dim=-1)
     q = (qf * torch.rsqrt(q_var + 1e-6) * q_weight).to(qkv.dtype)
     k = (kf * torch.rsqrt(k_var + 1e-6) * k_weight).to(qkv.dtype)
-    return h, residual, q, k
+    # MiniMax-M2's partial rotary embedding (64 of 128), as engines write it natively.
+    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+
+    def rotate(t):
+        shape = t.shape
+        t = t.view(positions.shape[0], -1, 128)
+        rotated, passed = t[..., :64], t[..., 64:]
+        c, s = cos.unsqueeze(-2).to(t.dtype), sin.unsqueeze(-2).to(t.dtype)
+        t1, t2 = torch.chunk(rotated, 2, dim=-1)
+        rotated = torch.cat((t1 * c - t2 * s, t2 * c + t1 * s), dim=-1)
+        return torch.cat((rotated, passed), dim=-1).reshape(shape)
+
+    return h, residual, rotate(q), rotate(k)
 
 
 def _rank_main(rank, world, store_path, failures):
@@ -83,7 +96,10 @@ def _rank_main(rank, world, store_path, failures):
         qkv = torch.randn(tokens, q_size + 2 * kv_size, device=device).to(torch.bfloat16)
         q_weight = torch.ones(q_size, device=device, dtype=torch.bfloat16)
         k_weight = torch.ones(kv_size, device=device, dtype=torch.bfloat16)
-        args = (x, res, w, qkv, q_weight, k_weight, q_size, kv_size, world)
+        positions = torch.randint(0, 1000, (tokens,), generator=generator).to(device)
+        angles = torch.rand(1000, 32, generator=generator) * 6.28
+        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)  # fp32 cos | sin
+        args = (x, res, w, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache)
         eager = _layer(*args)
         passes.install(team)
         torch._inductor.config.force_disable_caches = True
@@ -92,6 +108,7 @@ def _rank_main(rank, world, store_path, failures):
             got = compiled(*args)
         assert passes.stats["allreduce_add_rmsnorm"] == 1, passes.stats
         assert passes.stats["allreduce_qk_rmsnorm"] == 1, passes.stats
+        assert passes.stats["allreduce_qk_rmsnorm_rope"] == 1, passes.stats
         for g, e in zip(got, eager):
             torch.testing.assert_close(g.float(), e.float(), atol=4e-2, rtol=4e-2)
 
