@@ -11,7 +11,9 @@ either form models write it -- the hand-written fp32-upcast one (``h.float()``, 
 ``rsqrt(var + eps)``, back to the input dtype, times the weight, in either order) or
 ``torch.nn.functional.rms_norm`` -- with any eps and any width, becomes one
 ``tpfuse::allreduce_add_rmsnorm`` call whose two outputs replace the norm and the residual stream.
-Token counts the workspace cannot carry still run: the op itself takes the NCCL path then.
+A token count fixed at compile time for which the team would take its NCCL path anyway (more than
+its workspace carries, or more than its selection table gives a fused kernel) keeps the unfused
+graph; a symbolic (dynamic) count is rewritten, and the op chooses at run time.
 
 And MiniMax-M2's QK norm as a TP engine writes it (per-rank mean squares of q and k, one
 all-reduce of both concatenated, divided by the world size, normalized, weighted, back to the
@@ -109,7 +111,23 @@ def _check(match: Match) -> bool:
         value = residual.meta.get("val")
         if value is None or value.dtype != x.dtype or value.shape != x.shape:
             return False
-    return isinstance(kwargs["eps"], (int, float))
+    if not isinstance(kwargs["eps"], (int, float)):
+        return False
+    return _fused_kernel_runs(kwargs["group"], x)
+
+
+def _fused_kernel_runs(group: str, x) -> bool:
+    """False when the token count is fixed at compile time and the team would run it through its
+    NCCL path anyway (more than its workspace carries, or more than its selection table gives a
+    fused kernel): that graph is left unfused. A symbolic token count is rewritten; the op
+    chooses at run time."""
+    hidden, numel = x.shape[-1], x.numel()
+    # A SymInt is not an int: asking it for a value would specialize the compiled graph.
+    if not isinstance(hidden, int) or not isinstance(numel, int) or hidden <= 0 or numel <= 0:
+        return True
+    tokens = numel // hidden
+    algorithm = torch.ops.tpfuse.choose(_teams[group], tokens, hidden, x.dtype)
+    return algorithm != "nccl"
 
 
 def _rewrite(match: Match, *args, **kwargs) -> None:

@@ -151,6 +151,30 @@ class Passes(unittest.TestCase):
         self.assertEqual(after.count("tpfuse.allreduce_qk_rmsnorm.default"), sites, after)
         self.check_close(got, expected)
 
+    def test_a_static_token_count_the_team_would_send_through_nccl_stays_unfused(self):
+        def model(x, residual, weight):
+            residual = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            return hand_written_rms_norm(residual, weight, 1e-6), residual
+
+        # A team whose packets carry 64 KiB: 512 rows of 64 bf16 one-shot, fewer two-shot.
+        (small,) = tpfuse.cpu_team(1, packet_bytes=64 << 10)
+        passes.install(small)
+        try:
+            self.assertEqual(small.choose(600, 64, torch.bfloat16), "nccl")
+            got, expected = self.compile_and_run(model, *self.inputs(tokens=600))
+            self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
+            after = [op for g in passes.graphs for op in g["after"]]
+            self.assertEqual(after.count(ALL_REDUCE), 1, after)
+            self.assertEqual(after.count(FUSED), 0, after)
+            self.check_close(got, expected)
+            # The same model at a size the team fuses is rewritten.
+            self.assertEqual(small.choose(400, 64, torch.bfloat16), "oneshot")
+            self.compile_and_run(model, *self.inputs(tokens=400))
+            self.check_rewritten(1)
+        finally:
+            passes.install(self.team)
+            small.close()
+
     def test_minimax_qk_norm_single_split(self):
         q_size, kv_size = 256, 64
 
