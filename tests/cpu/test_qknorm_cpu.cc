@@ -4,6 +4,7 @@
 
 #include <functional>
 
+#include "mixed_properties.h"
 #include "qknorm_properties.h"
 
 namespace tpfuse::testing {
@@ -37,6 +38,11 @@ TEST_P(CpuQkNorm, ZerosNaNAndInfinities) {
 TEST_P(CpuQkNorm, LocalHalvesGiveTheFusedBits) {
   CpuHarness harness(GetParam());
   check_qk_halves_match_fused(harness, 350 + GetParam());
+}
+
+TEST_P(CpuQkNorm, InterleavedWithAddRmsNormOnOneTeam) {
+  CpuHarness harness(GetParam());
+  check_ops_interleaved(harness, 380 + GetParam(), 60);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuQkNorm, ::testing::Values(2, 3, 4, 8),

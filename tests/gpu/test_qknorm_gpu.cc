@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "cuda_harness.h"
+#include "mixed_properties.h"
 #include "qknorm_properties.h"
 
 namespace tpfuse::testing {
@@ -37,6 +38,11 @@ TEST_F(GpuQkNorm, LocalHalvesGiveTheFusedBits) {
 TEST_F(GpuQkNorm, ZerosNaNAndInfinities) {
   CudaHarness harness(gpus());
   check_qk_adversarial(harness, 502);
+}
+
+TEST_F(GpuQkNorm, InterleavedWithAddRmsNormOnOneTeam) {
+  CudaHarness harness(gpus());
+  check_ops_interleaved(harness, 590, 80);
 }
 
 TEST_F(GpuQkNorm, MiniMaxShapesManyTokens) {
