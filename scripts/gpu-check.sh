@@ -100,6 +100,7 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${E2E_TIMEOUT:-400} \
     python3 bench/e2e/decode.py --out "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" |
     grep -v -i warn | tail -45 || status=1
+  python3 bench/e2e/plot.py "$OUT/e2e.json" >/dev/null 2>&1 || echo "e2e plot failed"
 fi
 # The device tool returns at most 8 files: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)

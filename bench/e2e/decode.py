@@ -403,7 +403,7 @@ def print_summary(summary):
           f"{'tok/s@62':>9} {'coll.share':>10} {'logit err':>9} {'greedy=':>7}")
     for s in summary:
         def fmt(name, spec):
-            return format(s[name], spec) if name in s else "-"
+            return format(s[name], spec) if s.get(name) is not None else "-"
 
         greedy = (f"{s['greedy_steps_equal_nccl']}/{s['greedy_steps']}"
                   if "greedy_steps" in s else "-")

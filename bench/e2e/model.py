@@ -24,7 +24,6 @@ same model. Decode: one new token per sequence, attention over a KV cache of a f
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -292,8 +291,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def tokens_per_second(batch: int, ms: float) -> float:
-    return batch / (ms / 1e3) if ms > 0 else math.inf
+def tokens_per_second(batch: int, ms: float):
+    """Output tokens per second of a step of `ms` (None when the time is not positive: a fit of
+    noisy figures, which a result must not turn into a number)."""
+    return batch / (ms / 1e3) if ms > 0 else None
 
 
 def all_layers(weights: Weights) -> List[dict]:
