@@ -191,8 +191,7 @@ void print_table(const RunInfo& info, const std::vector<Record>& records) {
       for (size_t c = 0; c < shown.size(); ++c) {
         std::printf(" %14s", format_us(lookup(*shown[c], hidden, tokens)).c_str());
         if (show_speedup && shown[c] == &kColumns[kSpeedupAfterColumn]) {
-          const double ratio =
-              lookup(kColumns[1], hidden, tokens) / lookup(*fused, hidden, tokens);
+          const double ratio = lookup(kColumns[1], hidden, tokens) / lookup(*fused, hidden, tokens);
           char text[32];
           std::snprintf(text, sizeof(text), "%.2fx", ratio);
           std::printf(" %9s", std::isfinite(ratio) ? text : "-");
