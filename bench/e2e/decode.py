@@ -366,7 +366,7 @@ class Runner:
         return record
 
 
-def summarize(records, info):
+def summarize(records):
     """Per (mode, batch, context): step time at each layer count, the per-layer slope, the
     projection to 62 layers, tokens/s there, and the collectives' share (against 'local')."""
     by_key = {}
@@ -496,7 +496,7 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "world_size": world,
     }
-    summary = summarize(records, info)
+    summary = summarize(records)
     print_summary(summary)
     if args.out:
         with open(args.out, "w") as file:

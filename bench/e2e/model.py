@@ -24,7 +24,7 @@ same model. Decode: one new token per sequence, attention over a KV cache of a f
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -295,7 +295,3 @@ def tokens_per_second(batch: int, ms: float):
     """Output tokens per second of a step of `ms` (None when the time is not positive: a fit of
     noisy figures, which a result must not turn into a number)."""
     return batch / (ms / 1e3) if ms > 0 else None
-
-
-def all_layers(weights: Weights) -> List[dict]:
-    return weights.layers

@@ -70,7 +70,7 @@ inline void check_not_failed(const uint32_t* error_flag, int rank) {
 }
 
 // Re-fills the slot the previous call read (recorded in the control block) with the sentinel,
-// but this rank's own sender region, which stays empty between calls (tpfuse/impl/lamport.h).
+// but this rank's own sender region, which no call reads before storing (tpfuse/impl/lamport.h).
 inline void clear_previous_slot(char* my_workspace, const ControlBlock& control, int world_size,
                                 size_t packet_bytes, int rank) {
   const uint32_t clear_slot = slot_to_clear(control.slot);

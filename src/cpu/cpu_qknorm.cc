@@ -114,7 +114,7 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
-      char* address =
+      const char* address =
           x.workspace[x.rank] + packet_offset(slot, r, x.world_size, x.packet_bytes) + token * 16;
       const Vec16 packet = poll_vector(address, x.timeout_ns, x.error_flag, x.rank, r);
       if (r == 0) {
@@ -122,8 +122,6 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
       } else {
         accumulate<float>(sums, packet);
       }
-      // This rank's own packet: read back, the word is re-filled (no clear touches it).
-      if (r == x.rank) store_vector(address, sentinel_vector());
     }
     normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }

@@ -177,19 +177,18 @@ __device__ __forceinline__ void arrive(ControlBlock* control, uint32_t slot, uin
 // Re-fills slot `clear_slot` of this rank's workspace, `clear_bytes` per sender, with the
 // sentinel, spread over the whole grid. Plain stores suffice: the slot is next polled two calls
 // (two kernel boundaries) later, and a peer stores into it only after it has seen a packet this
-// rank sends later. Sender region `skip` (this rank's own, which the add + RMSNorm kernels never
-// store into) is left as it is; skip = -1 clears every region.
+// rank sends later. This rank's own sender region (`rank`) is left as it is: nothing reads a word
+// of it that the same call did not store (tpfuse/impl/lamport.h).
 __device__ __forceinline__ void clear_slot(char* workspace, uint32_t clear_slot,
                                            uint64_t clear_bytes, int world, size_t packet_bytes,
-                                           int skip) {
+                                           int rank) {
   const int64_t per_sender = int64_t(clear_bytes / 16);
-  const int regions = skip >= 0 ? world - 1 : world;
-  const int64_t total = per_sender * regions;
+  const int64_t total = per_sender * (world - 1);
   char* base = workspace + packet_offset(clear_slot, 0, world, packet_bytes);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t region = i / per_sender;
-    const int64_t sender = skip >= 0 && region >= skip ? region + 1 : region;
+    const int64_t sender = region >= rank ? region + 1 : region;
     reinterpret_cast<Vec16*>(base + sender * packet_bytes)[i - region * per_sender] =
         sentinel_vector();
   }

@@ -62,19 +62,15 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
-  __shared__ CallState shared_state;
 
   grid_dependency_wait();
 
-  // 1. Thread 0 reads the control block while every thread loads its first row of input: the
-  // two latencies overlap.
-  if (threadIdx.x == 0) shared_state = read_call_state(control);
+  // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
-  __syncthreads();
+  const CallState state = begin_call<kVecsPerThread>(control, p.input, vectors, input);
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
-  if (shared_state.failed != 0) return;
-  const uint32_t slot = shared_state.slot;
+  if (state.failed != 0) return;
+  const uint32_t slot = state.slot;
 
   // 2. Send.
   const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
@@ -101,8 +97,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
   launch_dependents();
 
   // 5. Clear.
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_state.clear_bytes, world,
-             p.packet_bytes, p.rank);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), state.clear_bytes, world, p.packet_bytes,
+             p.rank);
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
@@ -154,15 +150,9 @@ __global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const OneSh
 
 void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
                   Epilogue epilogue, cudaStream_t stream) {
-  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
-  DeviceGuard guard(team.device);
-  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
-  dispatch_row_kernel(dtype, params.world_size, epilogue, shape, [&](auto kernel_tag) {
-    const auto kernel =
-        oneshot_kernel<typename decltype(kernel_tag)::T, decltype(kernel_tag)::kWorld,
-                       decltype(kernel_tag)::kEpilogue, decltype(kernel_tag)::kVecs>;
-    launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
-           stream, params);
+  launch_row_collective(team, params, dtype, epilogue, stream, [](auto kernel_tag) {
+    using Tag = decltype(kernel_tag);
+    return oneshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
   });
 }
 

@@ -4,8 +4,7 @@
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
-//      thread loads its q / k vectors of its block's first token (the latencies overlap); with
-//      RoPE, the first rotary_dim threads load that token's cos/sin row element now too.
+//      thread loads its q / k vectors of its block's first token (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot.
@@ -14,11 +13,10 @@
 //      says why it is safe).
 //   4. per token: with RoPE, the position's cos/sin row is loaded into shared memory while the
 //      packets are in flight; thread 0 polls the W packets of this token and sums them in rank
-//      order (the same bits on every rank), re-fills its own packet's word with the sentinel
-//      (the thread that stored it is the one that read it), computes both scales and shares
-//      them; each thread
-//      normalizes its vectors; with RoPE the normalized row goes through shared memory so each
-//      element can read its rotation partner; one rounding to the output type.
+//      order (the same bits on every rank; its own packet is one this thread stored in step 2),
+//      computes both scales and shares them; each thread normalizes its vectors; with RoPE the
+//      normalized row goes through shared memory so each element can read its rotation partner; one
+//      rounding to the output type.
 #include <cuda_runtime.h>
 
 #include "common/error.h"
@@ -62,14 +60,6 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   if (kFused && threadIdx.x == 0) {
     state = read_call_state(control);
     shared_state = state;
-  }
-
-  // RoPE: this thread's element of its block's first token's cos/sin row, loaded now so that
-  // the two dependent loads (the position, then the row) overlap everything before the poll.
-  const bool early_rope = kRope && blockDim.x >= p.rotary_dim;
-  float early_cos_sin = 0.0f;
-  if (kRope && early_rope && threadIdx.x < p.rotary_dim) {
-    early_cos_sin = p.cos_sin_cache[p.positions[blockIdx.x] * p.rotary_dim + threadIdx.x];
   }
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
@@ -135,17 +125,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
     }
     if constexpr (kRope) {
-      // The position's cos/sin row into shared memory (loaded at the start for the block's first
-      // token, else now, while the packets are in flight); the barrier after the poll
-      // publishes it.
-      if (early_rope && token == blockIdx.x) {
-        if (threadIdx.x < p.rotary_dim) cos_sin[threadIdx.x] = early_cos_sin;
-      } else {
-        const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
-        for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) {
-          cos_sin[e] = row_cos_sin[e];
-        }
-      }
+      // The position's cos/sin row, loaded while the packets are in flight; the barrier after
+      // the poll publishes it.
+      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+      for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) cos_sin[e] = row_cos_sin[e];
     }
     if (kPass == QkPass::kNormFromSums && threadIdx.x == 0) {
       shared_scale[0] = rms_scale(p.sums[2 * token], p.q_global_size, p.eps);
@@ -176,10 +159,6 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
           accumulate<float>(sums, packets[r]);
         }
       }
-      // This rank's own packet was stored and read back by this thread alone: it re-fills the
-      // word now, so the own sender region is always empty between calls, as the add + RMSNorm
-      // kernels (which never store into it) expect: no kernel clears it.
-      store_packet(const_cast<Vec16*>(address(rank)), sentinel_vector());
       shared_scale[0] = rms_scale(sums[0], p.q_global_size, p.eps);
       shared_scale[1] = rms_scale(sums[1], p.k_global_size, p.eps);
     }

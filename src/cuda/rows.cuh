@@ -35,6 +35,19 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
   }
 }
 
+// The start of a one-shot or two-shot call, after griddepcontrol.wait: thread 0 reads the control
+// block while every thread loads its block's first input row (the two latencies overlap); the
+// barrier gives every thread what thread 0 read.
+template <int kVecsPerThread>
+__device__ __forceinline__ CallState begin_call(const ControlBlock* control, const void* input,
+                                                int64_t vectors, Vec16 (&row)[kVecsPerThread]) {
+  __shared__ CallState shared_state;
+  if (threadIdx.x == 0) shared_state = read_call_state(control);
+  load_row<kVecsPerThread>(input, int64_t(blockIdx.x) * vectors, vectors, row);
+  __syncthreads();
+  return shared_state;
+}
+
 // Sums this thread's vectors of a row over the `world` ranks in rank order in fp32: the peers'
 // packets polled at `address` (vector index 0 of the row) in sender regions `sender_stride`
 // bytes apart, this rank's own contribution (sentinel words rewritten as a peer receives them)
@@ -210,6 +223,21 @@ void dispatch_row_kernel(DType dtype, int world_size, Epilogue epilogue, const L
         });
       });
     });
+  });
+}
+
+// Launches a call of a row collective (one-shot or two-shot): kernel_of(RowKernelTag) names the
+// instantiation; the team's earlier failure is reported first, the grid is all resident.
+template <typename KernelOf>
+void launch_row_collective(const TeamState& team, const OneShotParams& params, DType dtype,
+                           Epilogue epilogue, cudaStream_t stream, KernelOf&& kernel_of) {
+  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
+  DeviceGuard guard(team.device);
+  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
+  dispatch_row_kernel(dtype, params.world_size, epilogue, shape, [&](auto kernel_tag) {
+    const auto kernel = kernel_of(kernel_tag);
+    launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
+           stream, params);
   });
 }
 

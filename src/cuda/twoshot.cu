@@ -49,18 +49,14 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, world);
   __shared__ float shared_sums[33];
-  __shared__ CallState shared_state;
 
   grid_dependency_wait();
 
-  // 1. Thread 0 reads the control block while every thread loads its first input row (the
-  // latencies overlap; see oneshot.cu).
-  if (threadIdx.x == 0) shared_state = read_call_state(control);
+  // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  load_row<kVecsPerThread>(p.input, int64_t(blockIdx.x) * vectors, vectors, input);
-  __syncthreads();
-  if (shared_state.failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
-  const uint32_t slot = shared_state.slot;
+  const CallState state = begin_call<kVecsPerThread>(control, p.input, vectors, input);
+  if (state.failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
+  const uint32_t slot = state.slot;
   const size_t my_sender_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
@@ -82,8 +78,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   // 3.
   if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
   launch_dependents();
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), shared_state.clear_bytes, world,
-             p.packet_bytes, p.rank);
+  clear_slot(p.workspace[p.rank], slot_to_clear(slot), state.clear_bytes, world, p.packet_bytes,
+             p.rank);
 
   Vec16 gamma[kVecsPerThread];
   if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
@@ -144,14 +140,9 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
 
 void cuda_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
                   Epilogue epilogue, cudaStream_t stream) {
-  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
-  DeviceGuard guard(team.device);
-  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
-  dispatch_row_kernel(dtype, params.world_size, epilogue, shape, [&](auto kernel_tag) {
+  launch_row_collective(team, params, dtype, epilogue, stream, [](auto kernel_tag) {
     using Tag = decltype(kernel_tag);
-    const auto kernel = twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
-    launch(kernel, collective_blocks(team, kernel, shape.threads, params.tokens), shape.threads, 0,
-           stream, params);
+    return twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
   });
 }
 

@@ -60,16 +60,6 @@ class Registry {
   int64_t next_ = 1;
 };
 
-// "[2, 64]": a tensor's shape for error messages, formatted here rather than by streaming an
-// IntArrayRef (a bad-argument call must never do more than raise).
-std::string shape_of(const at::Tensor& tensor) {
-  std::string text = "[";
-  for (int64_t d = 0; d < tensor.dim(); ++d) {
-    text += (d > 0 ? ", " : "") + std::to_string(tensor.size(d));
-  }
-  return text + "]";
-}
-
 DType dtype_of(const at::Tensor& tensor, const char* op, const char* name) {
   switch (tensor.scalar_type()) {
     case at::kFloat:
@@ -147,16 +137,16 @@ void run_add_rmsnorm(int64_t team_handle, const at::Tensor& input, const at::Ten
                      const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op) {
   const Team team = Registry::instance().get(team_handle, op);
   TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
-              shape_of(input));
+              input.sizes());
   const DType dtype = dtype_of(input, op, "input");
   check_like(input, input, op, "input");
   check_like(gamma, input, op, "gamma");
   TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
-              ": gamma must be [hidden = ", input.size(1), "], got ", shape_of(gamma));
+              ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
   if (residual != nullptr) {
     check_like(*residual, input, op, "residual");
     TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
-                shape_of(input), ", got ", shape_of(*residual));
+                input.sizes(), ", got ", residual->sizes());
   }
   AddRmsNormArgs args;
   args.input = input.data_ptr();
@@ -216,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
   const Team team = Registry::instance().get(team_handle, op);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size, "tpfuse::", op,
               ": qkv must be [tokens, q_size + 2 * kv_size = ", q_size + 2 * kv_size, "], got ",
-              shape_of(qkv));
+              qkv.sizes());
   const DType dtype = dtype_of(qkv, op, "qkv");
   check_like(qkv, qkv, op, "qkv");
   check_like(q_gamma, qkv, op, "q_gamma");
@@ -250,7 +240,7 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
     TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat && cos_sin_cache->dim() == 2 &&
                     cos_sin_cache->size(1) == rotary_dim && cos_sin_cache->is_contiguous(),
                 "tpfuse::", op, ": cos_sin_cache must be contiguous float32 [max_position, ",
-                rotary_dim, "], got ", shape_of(*cos_sin_cache));
+                rotary_dim, "], got ", cos_sin_cache->sizes());
     args.head_dim = head_dim;
     args.rotary_dim = rotary_dim;
     args.positions = positions->data_ptr<int64_t>();

@@ -1,7 +1,7 @@
 // A property across the fused ops: a team's calls of allreduce_qk_rmsnorm and
 // allreduce_add_rmsnorm, interleaved at random as a model's layers make them, share one slot
 // rotation and one clearing scheme (each call clears what the call before it received, whatever
-// op that was, and a rank's own sender region stays empty), so each op must still match its
+// op that was, and never a rank's own sender region), so each op must still match its
 // float64 reference after any mix. Run by tests/cpu and tests/gpu.
 #pragma once
 

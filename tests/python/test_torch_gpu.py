@@ -5,11 +5,16 @@ installed, under CUDA graphs (mode="reduce-overhead"), against the eager unfused
 one is refused."""
 
 import os
+import sys
 import tempfile
 import traceback
 import unittest
 
 import torch
+
+# The rotary embedding as engines write it natively (the end-to-end model's).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "e2e"))
+from model import rope  # noqa: E402
 
 WORLD = min(torch.cuda.device_count(), 8) if torch.cuda.is_available() else 0
 
@@ -34,18 +39,8 @@ def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world,
     q = (qf * torch.rsqrt(q_var + 1e-6) * q_weight).to(qkv.dtype)
     k = (kf * torch.rsqrt(k_var + 1e-6) * k_weight).to(qkv.dtype)
     # MiniMax-M2's partial rotary embedding (64 of 128), as engines write it natively.
-    cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
-
-    def rotate(t):
-        shape = t.shape
-        t = t.view(positions.shape[0], -1, 128)
-        rotated, passed = t[..., :64], t[..., 64:]
-        c, s = cos.unsqueeze(-2).to(t.dtype), sin.unsqueeze(-2).to(t.dtype)
-        t1, t2 = torch.chunk(rotated, 2, dim=-1)
-        rotated = torch.cat((t1 * c - t2 * s, t2 * c + t1 * s), dim=-1)
-        return torch.cat((rotated, passed), dim=-1).reshape(shape)
-
-    return h, residual, rotate(q), rotate(k)
+    q, k = rope(positions, q, k, cache, 128, 64)
+    return h, residual, q, k
 
 
 def _rank_main(rank, world, store_path, failures):

@@ -7,9 +7,9 @@
 //    packet_bytes each. Call k of a rank uses slot k % 3 (the control block keeps k % 3 itself,
 //    not k, so no counter ever wraps onto the wrong slot). Rank r stores its packet for call k
 //    (its input, 16-byte vectors) into slot k % 3, sender index r, of every other rank's
-//    workspace. Its own contribution it reads from its input: a rank's own sender region stays
-//    empty between calls (the QK norm, whose per-token packet is not in any input, stores it there
-//    and re-fills the word once the same thread has read it), so no clear touches it.
+//    workspace. Its own contribution it reads from its input. A rank's own sender region is read
+//    only by the QK norm (whose per-token packet is not in any input), and only words the same
+//    thread stored earlier in the same call: no clear needs to touch it.
 //  * An empty word holds the sentinel, negative zero's bit pattern 0x80000000. A receiver polls
 //    its own slot until no 32-bit word of the vectors it needs holds the sentinel. A sender
 //    rewrites payload words equal to the sentinel to +0 (0x00000000) before storing, so the
