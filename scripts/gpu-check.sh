@@ -12,6 +12,7 @@
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
 # were measured with), else the system's. The device copy has no .git: pass the commit in
 # TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
+# BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared hosts (see README): never remove these.
@@ -35,7 +36,7 @@ nccl_root=$(python3 -c 'import nvidia, os; p = os.path.join(nvidia.__path__[0], 
 if [[ " $STEPS " == *" build "* ]]; then
   step build
   cmake --preset gpu ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$OUT/build.log" 2>&1 &&
-    cmake --build --preset gpu -j 16 >>"$OUT/build.log" 2>&1
+    cmake --build --preset gpu -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$OUT/build.log" 2>&1
   rc=$?
   grep -E "error|tpfuse:" "$OUT/build.log" | head -20
   [ $rc -eq 0 ] || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
@@ -81,13 +82,22 @@ if [[ " $STEPS " == *" python "* ]]; then
   step python
   export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
   # One module per interpreter, with faulthandler: a crash names its test and its stack.
-  for module in tests/python/test_*.py; do
-    name=$(basename "$module" .py)
+  # PYTHON_TESTS narrows the modules (CI runs the CPU ones on every commit).
+  for name in ${PYTHON_TESTS:-$(cd tests/python && ls test_*.py | sed 's/\.py$//')}; do
     (cd tests/python && timeout 400 python3 -X faulthandler -m unittest -v "$name") \
       >>"$OUT/python.log" 2>&1
     rc=$?
     echo "python $name: exit $rc"
     [ $rc -eq 0 ] || status=1
+    # A crash (signal) gets a native backtrace: the module again under a debugger (the GPU
+    # image has cuda-gdb, which debugs host code too, and no gdb).
+    debugger=$(command -v gdb || command -v cuda-gdb)
+    if [ $rc -gt 128 ] && [ $rc -ne 137 ] && [ -n "$debugger" ]; then
+      (cd tests/python && timeout 180 "$debugger" -q -batch -ex "set pagination off" -ex run \
+        -ex "bt 40" --args python3 -m unittest "$name") >>"$OUT/python-backtrace.log" 2>&1
+      echo "python $name: backtrace in python-backtrace.log"
+      grep -E "^#[0-9]+ " "$OUT/python-backtrace.log" | head -25
+    fi
   done
   timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
     tee -a "$OUT/python.log" || status=1
