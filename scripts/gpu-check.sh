@@ -12,7 +12,7 @@
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
 # were measured with), else the system's. The device copy has no .git: pass the commit in
 # TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
-# BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
+# TEST_REGEX narrows the tests (ctest -R). BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared hosts (see README): never remove these.
@@ -39,12 +39,20 @@ if [[ " $STEPS " == *" build "* ]]; then
     cmake --build --preset gpu -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$OUT/build.log" 2>&1
   rc=$?
   grep -E "error|tpfuse:" "$OUT/build.log" | head -20
+  # What the torch ops library takes from the process and what it exports of libstdc++ (none:
+  # CMakeLists.txt says why).
+  library=$BUILD/python/libtpfuse_torch.so
+  if [ -f "$library" ]; then
+    echo "libtpfuse_torch.so needs: $(readelf -d "$library" | grep -o 'Shared library: \[[^]]*' |
+      sed 's/.*\[//' | tr '\n' ' ')"
+    echo "libtpfuse_torch.so exports $(nm -DC --defined-only "$library" | grep -cE 'std::(basic_ostream|basic_ios|ios_base|locale|num_put|codecvt)') libstdc++ stream symbols"
+  fi
   [ $rc -eq 0 ] || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
 fi
 
 if [[ " $STEPS " == *" test "* ]]; then
   step test
-  ctest --test-dir "$BUILD" -L "${TEST_LABEL:-gpu}" --output-on-failure -j 1 --timeout 150 >"$OUT/ctest.log" 2>&1 || status=1
+  ctest --test-dir "$BUILD" -L "${TEST_LABEL:-gpu}" ${TEST_REGEX:+-R "$TEST_REGEX"} --output-on-failure -j 1 --timeout 150 >"$OUT/ctest.log" 2>&1 || status=1
   tail -15 "$OUT/ctest.log"
   grep -E "Failed|\*\*\*" "$OUT/ctest.log" | head -20
 fi

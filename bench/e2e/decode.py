@@ -59,8 +59,15 @@ def _split_qk(qkv, config, local):
     return qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
 
 
-def _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, reduce):
-    """MiniMax-M2's QK norm as a TP engine writes it: one all-reduce of both mean squares."""
+# The unfused modes' RoPE as one compiled kernel: engines run RoPE as one custom kernel, not as
+# the ~20 elementwise kernels of the native form. (Mode (d) compiles the whole layer, native
+# RoPE included, which its passes fold into the QK-norm op.)
+_compiled_rope = torch.compile(rope, fullgraph=True)
+
+
+def _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, reduce, rope_fn=None):
+    """MiniMax-M2's QK norm as a TP engine writes it (vLLM's MiniMax-M2 QK norm: fp32 mean
+    squares, one all-reduce of both, rsqrt, weights), then RoPE."""
     q, k = _split_qk(qkv, config, local)
     qf, kf = q.float(), k.float()
     variance = torch.cat(
@@ -70,7 +77,8 @@ def _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, reduce):
     q_var, k_var = variance.chunk(2, dim=-1)
     q = (qf * torch.rsqrt(q_var + config.eps) * w["q_norm"]).to(qkv.dtype)
     k = (kf * torch.rsqrt(k_var + config.eps) * w["k_norm"]).to(qkv.dtype)
-    return rope(positions, q, k, cos_sin, config.head_dim, config.rotary_dim)
+    return (rope_fn or _compiled_rope)(positions, q, k, cos_sin, config.head_dim,
+                                       config.rotary_dim)
 
 
 class _Gather:
@@ -114,6 +122,11 @@ class Functional(Nccl):
         import torch.distributed._functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", self.group)
+
+    def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
+        # The native RoPE: the layer is compiled whole, and the passes fold RoPE into the op.
+        return _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, self._reduce,
+                                rope)
 
 
 class Local(Nccl):
@@ -253,15 +266,23 @@ class Runner:
                         record = self.measure(decoder, mode, batch, context, layers)
                         # 'local' computes without collectives: its outputs are not comparable.
                         if layers == max(self.args.layers) and mode != "local":
-                            tokens, logits = self.greedy(decoder, cache, batch, context)
+                            tokens, logits, margins = self.greedy(decoder, cache, batch,
+                                                                  context)
                             if mode == "nccl":
-                                reference = (tokens, logits)
+                                reference = (tokens, logits, margins)
                             if reference is not None:
                                 record["logits_rel_err_vs_nccl"] = relative_error(
                                     logits, reference[1])
-                                record["greedy_steps_equal_nccl"] = int(
-                                    (tokens == reference[0]).all(dim=1).cumprod(0).sum())
+                                equal = int((tokens == reference[0]).all(dim=1).cumprod(0).sum())
+                                record["greedy_steps_equal_nccl"] = equal
                                 record["greedy_steps"] = int(tokens.shape[0])
+                                record["nccl_top2_margin_median"] = statistics.median(
+                                    reference[2])
+                                if equal < tokens.shape[0]:
+                                    # Where the tokens first differ: how close (a)'s top two
+                                    # logits were there.
+                                    record["nccl_top2_margin_at_first_difference"] = (
+                                        reference[2][equal])
                             if mode == "compiled":
                                 import tpfuse.passes as passes
 
@@ -337,14 +358,18 @@ class Runner:
         cache.reset()
         tokens, positions, slot = self.state(batch, context)
         step = self.step_fn(decoder, tokens, positions, slot, context)
-        history, first = [], None
+        history, margins, first = [], [], None
         for index in range(self.args.greedy_steps):
             logits = step()
             if index == 0:
                 first = logits.float().cpu()
             history.append(tokens.cpu().clone())
+            # The gap between the two largest logits (smallest over the batch): a step whose
+            # gap is within rounding can flip its argmax between modes that round differently.
+            top2 = logits.float().topk(2, dim=-1).values
+            margins.append(float((top2[:, 0] - top2[:, 1]).min()))
         cache.reset()
-        return torch.stack(history), first
+        return torch.stack(history), first, margins
 
     def barrier(self):
         if self.world > 1:
@@ -386,12 +411,17 @@ def summarize(records):
                          projected_tokens_per_s_62_layers=tokens_per_second(batch, projected))
         top = by_layers[counts[-1]]
         for name in ("logits_rel_err_vs_nccl", "greedy_steps_equal_nccl", "greedy_steps",
+                     "nccl_top2_margin_median", "nccl_top2_margin_at_first_difference",
                      "pass_rewrites"):
             if name in top:
                 entry[name] = top[name]
         summary.append(entry)
+    # 'local' is modes (a) and (b) without their all-reduces (the same separate norms): their
+    # floor. The fused modes have no such floor (their norms are inside the collective op).
     floor = {(s["batch"], s["context"]): s for s in summary if s["mode"] == "local"}
     for s in summary:
+        if s["mode"] not in ("nccl", "symm_mem"):
+            continue
         base = floor.get((s["batch"], s["context"]))
         if base and "ms_per_layer" in s and "ms_per_layer" in base and s["ms_per_layer"] > 0:
             s["collective_share_per_layer"] = 1 - base["ms_per_layer"] / s["ms_per_layer"]

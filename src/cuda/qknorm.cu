@@ -4,19 +4,20 @@
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
-//      thread loads its q / k vectors of its block's first token (the latencies overlap).
+//      thread loads its q / k vectors of its block's first token, its gamma vectors and, for
+//      RoPE in registers, that token's cos / sin values (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot.
 //   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
 //      call's slot but this rank's own region: as the add + RMSNorm one-shot kernel (oneshot.cu
 //      says why it is safe).
-//   4. per token: with RoPE, the position's cos/sin row is loaded into shared memory while the
-//      packets are in flight; thread 0 polls the W packets of this token and sums them in rank
-//      order (the same bits on every rank; its own packet is one this thread stored in step 2),
-//      computes both scales and shares them; each thread normalizes its vectors; with RoPE the
-//      normalized row goes through shared memory so each element can read its rotation partner; one
-//      rounding to the output type.
+//   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
+//      same bits on every rank; its own packet is one this thread stored in step 2), computes
+//      both scales and shares them; each thread normalizes its vectors (still in registers
+//      when the block has one token); RoPE (RopePath below) rotates them, in registers with the
+//      neox partner from another lane of the warp, or through shared memory for layouts where
+//      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
 
 #include "common/error.h"
@@ -30,12 +31,44 @@
 namespace tpfuse::impl {
 namespace {
 
+// How a launch applies RoPE. kRegisters: each thread rotates its own vectors, the neox partner
+// vector comes from a lane of the same warp (a shuffle), the cos/sin values from the cache
+// straight into registers, loaded early; kShared: the general form, for layouts where a partner
+// may sit in another warp or a vector straddles a rotary half: the normalized row and the cos/sin
+// row go through shared memory. Both rotate each element through `rotate` (qknorm.h).
+enum class RopePath : int { kNone = 0, kShared = 1, kRegisters = 2 };
+
+// kRegisters holds two vectors per thread at most (the cos/sin registers).
+constexpr int kMaxRopeRegisterVecs = 2;
+
+// Whether a call's RoPE can run in registers: vectors never straddle a head or a rotary half
+// (neox) or the rotary boundary (interleaved), and every neox partner is held by a lane of the
+// same warp. A block's vector c is held by thread c % blockDim.x, lane c % 32 (blockDim.x is a
+// multiple of 32), and heads start at multiples of the head's vector count: a head lies in one
+// warp when its vector count divides 32, and its rotary part does when a head starts a warp and
+// the rotary part has at most 32 vectors.
+RopePath rope_path(const QkNormParams& p, int elements, int vecs_per_thread) {
+  if (p.rope == 0) return RopePath::kNone;
+  if (vecs_per_thread > kMaxRopeRegisterVecs || p.head_dim % elements != 0 ||
+      p.rotary_dim % elements != 0) {
+    return RopePath::kShared;
+  }
+  if (p.rope == 2) return RopePath::kRegisters;  // interleaved pairs lie inside a vector
+  const int64_t head_vectors = p.head_dim / elements;
+  const bool half_whole = (p.rotary_dim / 2) % elements == 0;
+  const bool one_warp =
+      32 % head_vectors == 0 || (head_vectors % 32 == 0 && p.rotary_dim / elements <= 32);
+  return half_whole && one_warp ? RopePath::kRegisters : RopePath::kShared;
+}
+
 // kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to
-// p.sums instead of sending them; kNormFromSums skips steps 1-3 and takes the global sums from
+// p.sums instead of sending them; kNormFromSums skips steps 2-3 and takes the global sums from
 // p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
-template <typename T, int kWorldSize, int kVecsPerThread, bool kRope, QkPass kPass>
+template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, QkPass kPass>
 __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormParams p) {
   constexpr bool kFused = kPass == QkPass::kFused;
+  constexpr bool kRopeShared = kRope == RopePath::kShared;
+  constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
   const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
@@ -43,7 +76,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   const int64_t q_vectors = p.q_size / kElements;
   const int64_t vectors = (p.q_size + p.kv_size) / kElements;
   const int64_t row = p.q_size + 2 * p.kv_size;
-  // RoPE only: the normalized row (q_size + kv_size floats), then the position's cos/sin row.
+  // kShared only: the normalized row (q_size + kv_size floats), then the position's cos/sin row.
   extern __shared__ float rope_shared[];
   float* const normalized = rope_shared;
   float* const cos_sin = rope_shared + (p.q_size + p.kv_size);
@@ -51,32 +84,81 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   __shared__ float shared_scale[2];
   __shared__ CallState shared_state;
 
+  // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
+  // the qkv row and in the normalized row (q then k) is the same: c * kElements.
+  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
+  const auto load_values = [&](int64_t token, Vec16(&values)[kVecsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c < vectors) values[i] = load_vector(p.qkv, (token * row) / kElements + c);
+    }
+  };
+  // kRegisters: where each of this thread's vectors starts in its head (token-independent), and
+  // its elements' cos and sin for a token's position.
+  const int half = int(p.rotary_dim / 2);
+  int head_offset[kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    head_offset[i] = kRopeRegisters ? int((vector_of(i) * kElements) % p.head_dim) : 0;
+  }
+  float cos_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
+  float sin_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
+  const auto load_rope_registers = [&](int64_t token) {
+    if constexpr (kRopeRegisters) {
+      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int j0 = head_offset[i];
+        if (vector_of(i) >= vectors || j0 >= p.rotary_dim) continue;
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) {
+          // neox: element j pairs with j +- half and uses index j mod half; interleaved: the
+          // pair (2m, 2m + 1) uses index m.
+          const int index = p.rope == 1 ? (j0 < half ? j0 + e : j0 - half + e) : (j0 + e) / 2;
+          cos_lanes[i][e] = row_cos_sin[index];
+          sin_lanes[i][e] = row_cos_sin[half + index];
+        }
+      }
+    }
+  };
+
   grid_dependency_wait();
   if constexpr (!kFused) launch_dependents();  // a local pass has no slot to protect
 
-  // 1. Thread 0 reads the control block while every thread loads its vectors (step 2): the two
-  // latencies overlap, and the first block sum's barrier publishes what thread 0 read.
+  // 1. Thread 0 reads the control block while every thread loads its vectors of the block's
+  // first token (every block has at least one: the grid is at most `tokens` blocks), the gamma
+  // vectors and, for RoPE in registers, that token's cos/sin (the position load's latency
+  // overlaps the others'): the latencies overlap, and the first block sum's barrier publishes
+  // what thread 0 read.
   CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
     state = read_call_state(control);
     shared_state = state;
   }
+  Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
+  load_values(blockIdx.x, values);
+  if constexpr (kPass != QkPass::kSums) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      const int64_t c = vector_of(i);
+      if (c >= vectors) continue;
+      gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
+    }
+    load_rope_registers(blockIdx.x);
+  }
 
-  // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
-  // the qkv row and in the normalized row (q then k) is the same: c * kElements.
-  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
-
-  // 2. Send (every block has at least one token: the grid is at most `tokens` blocks). Thread 0
-  // sends, from the slot it read itself; a failed team sends nothing, so its peers time out too.
+  // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
+  // peers time out too.
   for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
        token += gridDim.x) {
+    if (token != blockIdx.x) load_values(token, values);
     float2 sums = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int64_t c = vector_of(i);
       if (c >= vectors) continue;
-      const Vec16 v = load_vector(p.qkv, (token * row) / kElements + c);
-      const float squares = vector_sum_squares<T>(v);
+      const float squares = vector_sum_squares<T>(values[i]);
       if (c < q_vectors) {
         sums.x += squares;
       } else {
@@ -112,19 +194,15 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
                p.exchange.packet_bytes, rank);
   }
 
-  // 4. Receive, normalize, rotate, store.
+  // 4. Receive, normalize, rotate, store. `values` still hold the block's first token unless
+  // step 2 went on to others.
+  const bool first_token_held = kPass == QkPass::kNormFromSums || gridDim.x >= p.tokens;
   const char* slot_base =
       p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
-      if (c >= vectors) continue;
-      values[i] = load_vector(p.qkv, (token * row) / kElements + c);
-      gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
-    }
-    if constexpr (kRope) {
+    if (token != blockIdx.x || !first_token_held) load_values(token, values);
+    if (token != blockIdx.x) load_rope_registers(token);
+    if constexpr (kRopeShared) {
       // The position's cos/sin row, loaded while the packets are in flight; the barrier after
       // the poll publishes it.
       const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
@@ -167,14 +245,18 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int64_t c = vector_of(i);
-      if (c >= vectors) continue;
+      if (c >= vectors) {
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) lanes[i][e] = 0.0f;  // shuffled, never stored
+        continue;
+      }
       scale_lanes<T>(values[i], gammas[i], shared_scale[c < q_vectors ? 0 : 1], lanes[i]);
-      if constexpr (kRope) {
+      if constexpr (kRopeShared) {
 #pragma unroll
         for (int e = 0; e < kElements; ++e) normalized[c * kElements + e] = lanes[i][e];
       }
     }
-    if constexpr (kRope) {
+    if constexpr (kRopeShared) {
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
@@ -183,6 +265,34 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
         // 32-bit offsets: a RoPE row is at most kMaxQkRopeWidth elements.
         rope_lanes<kElements>(lanes[i], normalized, int(c * kElements), int(p.head_dim),
                               int(p.rotary_dim), p.rope, cos_sin);
+      }
+    }
+    if constexpr (kRopeRegisters) {
+      const int lane = int(threadIdx.x % 32);
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int j0 = head_offset[i];
+        const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim;
+        if (p.rope == 1) {
+          // neox: the partner vector is half / kElements vectors away, on that lane; every lane
+          // of the warp takes part in the shuffle.
+          const bool first = j0 < half;
+          const int away = half / kElements;
+          const int source = rotary ? (first ? lane + away : lane - away) : lane;
+#pragma unroll
+          for (int e = 0; e < kElements; ++e) {
+            const float partner = __shfl_sync(0xffffffffu, lanes[i][e], source);
+            if (rotary)
+              lanes[i][e] = rotate(lanes[i][e], partner, cos_lanes[i][e], sin_lanes[i][e], first);
+          }
+        } else if (rotary) {
+#pragma unroll
+          for (int e = 0; e < kElements; e += 2) {
+            const float x0 = lanes[i][e], x1 = lanes[i][e + 1];
+            lanes[i][e] = rotate(x0, x1, cos_lanes[i][e], sin_lanes[i][e], true);
+            lanes[i][e + 1] = rotate(x1, x0, cos_lanes[i][e], sin_lanes[i][e], false);
+          }
+        }
       }
     }
 #pragma unroll
@@ -200,9 +310,30 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
 }
 
-// Dynamic shared memory of a launch: with RoPE, the normalized row and the cos/sin row.
-size_t rope_shared_bytes(const QkNormParams& params, bool rope) {
-  return rope ? size_t(params.q_size + params.kv_size + params.rotary_dim) * sizeof(float) : 0;
+// Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the
+// cos/sin row.
+size_t rope_shared_bytes(const QkNormParams& params, RopePath path) {
+  return path == RopePath::kShared
+             ? size_t(params.q_size + params.kv_size + params.rotary_dim) * sizeof(float)
+             : 0;
+}
+
+template <typename Fn>
+void dispatch_rope_path(RopePath path, Fn&& fn) {
+  switch (path) {
+    case RopePath::kNone:
+      return fn(std::integral_constant<RopePath, RopePath::kNone>{});
+    case RopePath::kShared:
+      return fn(std::integral_constant<RopePath, RopePath::kShared>{});
+    case RopePath::kRegisters:
+      return fn(std::integral_constant<RopePath, RopePath::kRegisters>{});
+  }
+}
+
+// Whether an instantiation exists (rope_path never picks kRegisters for more vectors).
+template <RopePath kRope, int kVecs>
+constexpr bool qk_kernel_exists() {
+  return kRope != RopePath::kRegisters || kVecs <= kMaxRopeRegisterVecs;
 }
 
 }  // namespace
@@ -212,21 +343,25 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
   if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
-  const bool rope = params.rope != 0;
-  const size_t shared_bytes = rope_shared_bytes(params, rope);
+  const RopePath path = rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread);
+  const size_t shared_bytes = rope_shared_bytes(params, path);
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_world_size(params.exchange.world_size, [&](auto world_tag) {
       constexpr int kWorld = decltype(world_tag)::value;
       dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
         constexpr int kVecs = decltype(vecs_tag)::value;
-        dispatch_bool(rope, [&](auto rope_tag) {
-          constexpr bool kRope = decltype(rope_tag)::value != 0;
-          const auto kernel = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>;
-          const int resident = team.multiprocessors * resident_blocks_per_multiprocessor(
-                                                          kernel, shape.threads, shared_bytes);
-          const int blocks = int(std::min<int64_t>(params.tokens, resident));
-          launch(kernel, blocks, shape.threads, shared_bytes, stream, params);
+        dispatch_rope_path(path, [&](auto rope_tag) {
+          constexpr RopePath kRope = decltype(rope_tag)::value;
+          if constexpr (!qk_kernel_exists<kRope, kVecs>()) {
+            TPF_FAIL("no QK-norm kernel with RoPE in registers for " << kVecs << " vectors");
+          } else {
+            const auto kernel = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>;
+            const int resident = team.multiprocessors * resident_blocks_per_multiprocessor(
+                                                            kernel, shape.threads, shared_bytes);
+            const int blocks = int(std::min<int64_t>(params.tokens, resident));
+            launch(kernel, blocks, shape.threads, shared_bytes, stream, params);
+          }
         });
       });
     });
@@ -242,11 +377,16 @@ void cuda_preload_qk_kernels(int world_size) {
         for (int vecs : {1, 2, 4, 8}) {
           dispatch_vecs(vecs, [&](auto vecs_tag) {
             constexpr int kVecs = decltype(vecs_tag)::value;
-            preload(qk_rmsnorm_kernel<T, kWorld, kVecs, false, QkPass::kFused>);
-            preload(qk_rmsnorm_kernel<T, kWorld, kVecs, true, QkPass::kFused>);
-            preload(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kSums>);
-            preload(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kNormFromSums>);
-            preload(qk_rmsnorm_kernel<T, 1, kVecs, true, QkPass::kNormFromSums>);
+            preload(qk_rmsnorm_kernel<T, 1, kVecs, RopePath::kNone, QkPass::kSums>);
+            for (RopePath path : {RopePath::kNone, RopePath::kShared, RopePath::kRegisters}) {
+              dispatch_rope_path(path, [&](auto rope_tag) {
+                constexpr RopePath kRope = decltype(rope_tag)::value;
+                if constexpr (qk_kernel_exists<kRope, kVecs>()) {
+                  preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>);
+                  preload(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>);
+                }
+              });
+            }
           });
         }
       });
@@ -256,22 +396,28 @@ void cuda_preload_qk_kernels(int world_size) {
 
 void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
-  const bool rope = pass == QkPass::kNormFromSums && params.rope != 0;
-  const size_t shared_bytes = rope_shared_bytes(params, rope);
+  const RopePath path = pass == QkPass::kNormFromSums
+                            ? rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread)
+                            : RopePath::kNone;
+  const size_t shared_bytes = rope_shared_bytes(params, path);
   const int blocks = int(std::min<int64_t>(params.tokens, 65535));
   dispatch_dtype(dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
       constexpr int kVecs = decltype(vecs_tag)::value;
       if (pass == QkPass::kSums) {
-        launch(qk_rmsnorm_kernel<T, 1, kVecs, false, QkPass::kSums>, blocks, shape.threads, 0,
-               stream, params);
+        launch(qk_rmsnorm_kernel<T, 1, kVecs, RopePath::kNone, QkPass::kSums>, blocks,
+               shape.threads, 0, stream, params);
         return;
       }
-      dispatch_bool(rope, [&](auto rope_tag) {
-        constexpr bool kRope = decltype(rope_tag)::value != 0;
-        launch(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>, blocks, shape.threads,
-               shared_bytes, stream, params);
+      dispatch_rope_path(path, [&](auto rope_tag) {
+        constexpr RopePath kRope = decltype(rope_tag)::value;
+        if constexpr (!qk_kernel_exists<kRope, kVecs>()) {
+          TPF_FAIL("no QK-norm kernel with RoPE in registers for " << kVecs << " vectors");
+        } else {
+          launch(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>, blocks,
+                 shape.threads, shared_bytes, stream, params);
+        }
       });
     });
   });

@@ -37,6 +37,20 @@ TPF_HOST_DEVICE void scale_lanes(const Vec16& x, const Vec16& gamma, float scale
   for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = (out[i] * scale) * g[i];
 }
 
+// The rotation of one element of a RoPE pair: x * cos - partner * sin for the pair's first
+// element, x * cos + partner * sin for its second. Every RoPE path (the GPU kernel's two, the
+// CPU backend) rotates through here. On the GPU the rounding is pinned (the product
+// partner * sin rounded, then one fused multiply-add), so it does not depend on how the
+// compiler contracts the expression where it is inlined.
+TPF_HOST_DEVICE float rotate(float x, float partner, float c, float s, bool first) {
+#if TPF_ON_DEVICE
+  const float ps = __fmul_rn(partner, s);
+  return __fmaf_rn(x, c, first ? -ps : ps);
+#else
+  return first ? x * c - partner * s : x * c + partner * s;
+#endif
+}
+
 // Element j (0 <= j < head_dim) of one head after the rotary embedding; `head` holds the head's
 // normalized fp32 values, `cos_sin` the position's cache row.
 TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_dim, int style,
@@ -47,13 +61,15 @@ TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_
     const int64_t i = j < half ? j : j - half;
     const float c = cos_sin[i];
     const float s = cos_sin[half + i];
-    return j < half ? head[j] * c - head[j + half] * s : head[j] * c + head[j - half] * s;
+    return j < half ? rotate(head[j], head[j + half], c, s, true)
+                    : rotate(head[j], head[j - half], c, s, false);
   }
   // interleaved: (2i, 2i + 1)
   const int64_t i = j / 2;
   const float c = cos_sin[i];
   const float s = cos_sin[half + i];
-  return j % 2 == 0 ? head[j] * c - head[j + 1] * s : head[j] * c + head[j - 1] * s;
+  return j % 2 == 0 ? rotate(head[j], head[j + 1], c, s, true)
+                    : rotate(head[j], head[j - 1], c, s, false);
 }
 
 // RoPE of one vector: `lanes` become elements [start, start + kN) of the normalized row `row`
@@ -77,13 +93,15 @@ TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start,
     if (j0 < half) {  // (j, j + half): x * cos - partner * sin
       TPF_UNROLL
       for (int e = 0; e < kN; ++e) {
-        lanes[e] = head[j0 + e] * cos_sin[j0 + e] - head[j0 + e + half] * cos_sin[half + j0 + e];
+        lanes[e] = rotate(head[j0 + e], head[j0 + e + half], cos_sin[j0 + e],
+                          cos_sin[half + j0 + e], true);
       }
     } else {  // (j, j - half): x * cos + partner * sin
       const int i0 = j0 - half;
       TPF_UNROLL
       for (int e = 0; e < kN; ++e) {
-        lanes[e] = head[j0 + e] * cos_sin[i0 + e] + head[i0 + e] * cos_sin[half + i0 + e];
+        lanes[e] =
+            rotate(head[j0 + e], head[i0 + e], cos_sin[i0 + e], cos_sin[half + i0 + e], false);
       }
     }
     return;
@@ -94,8 +112,8 @@ TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start,
       const int i = (j0 + e) / 2;
       const float c = cos_sin[i];
       const float s = cos_sin[half + i];
-      lanes[e] = head[j0 + e] * c - head[j0 + e + 1] * s;
-      lanes[e + 1] = head[j0 + e + 1] * c + head[j0 + e] * s;
+      lanes[e] = rotate(head[j0 + e], head[j0 + e + 1], c, s, true);
+      lanes[e + 1] = rotate(head[j0 + e + 1], head[j0 + e], c, s, false);
     }
     return;
   }
