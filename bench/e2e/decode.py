@@ -8,6 +8,10 @@ Modes (same weights, same inputs):
                 without fusion runs it
   symm_mem  (b) torch symmetric-memory one-shot all-reduce + separate norms (CUDA only)
   tpfuse    (c) tpfuse's fused ops called directly (add + RMSNorm; QK norm with RoPE)
+  tpfuse_compiled
+            (c) compiled: the same layer, tpfuse's ops called directly, compiled with
+                torch.compile: what (d) should match if its passes find every site (Inductor
+                also fuses the rest of the layer, so (d) against (c) eager mixes the two)
   compiled  (d) the unfused model written with functional collectives, each layer compiled with
                 torch.compile and tpfuse's passes installed
   local     no collectives at all (wrong outputs): the compute floor, for the share of step time
@@ -16,9 +20,13 @@ Modes (same weights, same inputs):
 Each (mode, batch, context, layer count) is timed as a CUDA graph of one decode step (the step
 feeds its argmax back as the next tokens and advances the positions), replayed; the median replay
 is the step time. Two layer counts give the per-layer slope and a projection to 62 layers
-(fixed part + 62 x slope). Correctness, at the larger layer count: the first step's logits of
-each mode against mode (a) (relative error), and the greedy tokens of 32 steps from the same
-state. Results: one JSON of records (bench/results/), summarized on stdout.
+(fixed part + 62 x slope). Correctness, at the larger layer count, against mode (a): the first
+step's logits (relative error); the greedy tokens of 32 steps from the same state; and, since
+random weights and bf16 logits give many near-ties (two logits within a bf16 step of each other,
+where any change of rounding may flip the argmax), the same 32 steps teacher-forced with (a)'s
+tokens: each step's logits against (a)'s, the steps whose argmax differs, and (a)'s top-2 margin
+at each such step. Mode (a) runs its greedy steps twice: the model's own run-to-run
+reproducibility. Results: one JSON of records (bench/results/), summarized on stdout.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ from model import (  # noqa: E402
     tokens_per_second,
 )
 
-MODES = ("nccl", "symm_mem", "tpfuse", "compiled", "local")
+MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "local")
+COMPILED_MODES = ("tpfuse_compiled", "compiled")
 
 
 def _split_qk(qkv, config, local):
@@ -164,23 +173,21 @@ class Tpfuse(_Gather, Collectives):
 
     def __init__(self, group, world, team):
         super().__init__(group, world)
-        self.team = team
+        import tpfuse
+
+        self.ops, self.team = tpfuse, team
 
     def add_rms_norm(self, partial, residual, weight, eps):
-        import tpfuse
-
-        return tpfuse.allreduce_add_rmsnorm(self.team, partial, residual, weight, eps)
+        return self.ops.allreduce_add_rmsnorm(self.team, partial, residual, weight, eps)
 
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
-        import tpfuse
-
         q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
-        return tpfuse.allreduce_qk_rmsnorm(
+        return self.ops.allreduce_qk_rmsnorm(
             self.team, qkv, w["q_norm"], w["k_norm"], q_size, kv_size,
             config.heads * config.head_dim, config.kv_heads * config.head_dim, config.eps,
             kv_replicas=local.kv_replicas, positions=positions, cos_sin_cache=cos_sin,
             head_dim=config.head_dim, rotary_dim=config.rotary_dim,
-            rope_style=tpfuse.RopeStyle.NEOX,
+            rope_style=self.ops.RopeStyle.NEOX,
         )
 
 
@@ -208,7 +215,7 @@ class Runner:
         self.grouped = grouped_gemm_works(device)
         self.cuda = device.type == "cuda"
         self.team = None
-        if {"tpfuse", "compiled"} & set(args.modes):
+        if {"tpfuse", "tpfuse_compiled", "compiled"} & set(args.modes):
             import tpfuse
 
             if world == 1:
@@ -223,7 +230,7 @@ class Runner:
             return Functional(self.group, self.world)
         if mode == "local":
             return Local(self.group, self.world)
-        if mode == "tpfuse":
+        if mode in ("tpfuse", "tpfuse_compiled"):
             return Tpfuse(self.group, self.world, self.team)
         if mode == "symm_mem":
             return SymmMem(self.group, self.world, batch, self.config.hidden, self.device)
@@ -254,40 +261,53 @@ class Runner:
                         records.append(self.record(mode, batch, context, 0,
                                                    error=f"{type(error).__name__}: {error}"))
                         continue
+                    if mode in COMPILED_MODES:
+                        # A fresh compile per (mode, batch, context): no cache entry of another
+                        # mode, and never dynamo's recompile limit (past it, it runs eager).
+                        torch._dynamo.reset()
                     if mode == "compiled":
                         import tpfuse.passes as passes
 
-                        torch._dynamo.reset()
                         passes.install(self.team, self.group)
+                    if mode == "compiled":
+                        import tpfuse.passes as passes
+
+                        rewrites_before = dict(passes.stats)
+                        graphs_before = len(passes.graphs)
                     for layers in sorted(self.args.layers):
                         decoder = Decoder(self.weights, cache, collectives, self.world,
                                           self.grouped, layers=layers,
-                                          compile_layer=mode == "compiled")
+                                          compile_layer=mode in COMPILED_MODES)
                         record = self.measure(decoder, mode, batch, context, layers)
+                        if mode == "compiled":
+                            # What (mode, batch, context) compiled so far (one layer graph,
+                            # reused by every layer count): the rewrites, and what the last
+                            # graph still holds (every all-reduce fused: none left).
+                            record["pass_rewrites"] = {
+                                k: v - rewrites_before.get(k, 0) for k, v in passes.stats.items()}
+                            record["graphs_compiled"] = len(passes.graphs) - graphs_before
+                            if passes.graphs:
+                                after = passes.graphs[-1]["after"]
+                                record["last_graph_all_reduces_left"] = sum(
+                                    "all_reduce" in op for op in after)
+                                record["last_graph_tpfuse_ops"] = sum(
+                                    op.startswith("tpfuse.") for op in after)
                         # 'local' computes without collectives: its outputs are not comparable.
                         if layers == max(self.args.layers) and mode != "local":
                             tokens, logits, margins = self.greedy(decoder, cache, batch,
                                                                   context)
                             if mode == "nccl":
-                                reference = (tokens, logits, margins)
+                                again = self.greedy(decoder, cache, batch, context)
+                                record["repeat_greedy_steps_equal"] = int(
+                                    (again[0] == tokens).all(dim=1).cumprod(0).sum())
+                                record["repeat_logits_rel_err"] = relative_error(again[1], logits)
+                                reference = (tokens, logits, margins,
+                                             self.forced(decoder, cache, batch, context, tokens))
                             if reference is not None:
-                                record["logits_rel_err_vs_nccl"] = relative_error(
-                                    logits, reference[1])
-                                equal = int((tokens == reference[0]).all(dim=1).cumprod(0).sum())
-                                record["greedy_steps_equal_nccl"] = equal
-                                record["greedy_steps"] = int(tokens.shape[0])
-                                record["nccl_top2_margin_median"] = statistics.median(
-                                    reference[2])
-                                if equal < tokens.shape[0]:
-                                    # Where the tokens first differ: how close (a)'s top two
-                                    # logits were there.
-                                    record["nccl_top2_margin_at_first_difference"] = (
-                                        reference[2][equal])
-                            if mode == "compiled":
-                                import tpfuse.passes as passes
-
-                                record["pass_rewrites"] = dict(passes.stats)
+                                record.update(self.compare(decoder, cache, batch, context,
+                                                           tokens, logits, reference))
                         records.append(record)
+                        self.save_partial(record)
                     if mode == "compiled":
                         import tpfuse.passes as passes
 
@@ -371,6 +391,53 @@ class Runner:
         cache.reset()
         return torch.stack(history), first, margins
 
+    def save_partial(self, record):
+        """Rank 0 appends each record to <out>.partial.jsonl as it is made: a run cut short
+        (a time limit, a hang in a later mode) keeps what it measured."""
+        if self.rank == 0 and self.args.out:
+            with open(self.args.out + ".partial.jsonl", "a") as file:
+                file.write(json.dumps(record) + "\n")
+
+    def forced(self, decoder, cache, batch, context, reference_tokens):
+        """The greedy steps teacher-forced with `reference_tokens` (mode (a)'s): each step's
+        logits (on the device, fp32) and argmax, every mode fed the same tokens."""
+        cache.reset()
+        tokens, positions, slot = self.state(batch, context)
+        step = self.step_fn(decoder, tokens, positions, slot, context)
+        logits, argmax = [], []
+        for index in range(reference_tokens.shape[0]):
+            out = step()
+            logits.append(out.float())
+            argmax.append(tokens.cpu().clone())
+            tokens.copy_(reference_tokens[index].to(tokens.device))
+        cache.reset()
+        return logits, torch.stack(argmax)
+
+    def compare(self, decoder, cache, batch, context, tokens, logits, reference):
+        """This mode against mode (a): first logits, greedy tokens, and teacher-forced steps."""
+        ref_tokens, ref_logits, ref_margins, (ref_forced, _) = reference
+        equal = int((tokens == ref_tokens).all(dim=1).cumprod(0).sum())
+        result = {
+            "logits_rel_err_vs_nccl": relative_error(logits, ref_logits),
+            "greedy_steps_equal_nccl": equal,
+            "greedy_steps": int(tokens.shape[0]),
+            "nccl_top2_margin_median": statistics.median(ref_margins),
+        }
+        if equal < tokens.shape[0]:
+            # Where the tokens first differ: how close (a)'s top two logits were there.
+            result["nccl_top2_margin_at_first_difference"] = ref_margins[equal]
+        forced, argmax = self.forced(decoder, cache, batch, context, ref_tokens)
+        errors = [relative_error(a, b) for a, b in zip(forced, ref_forced)]
+        differ = [i for i in range(len(forced)) if not bool((argmax[i] == ref_tokens[i]).all())]
+        result.update(
+            forced_logits_rel_err_max=max(errors),
+            forced_logits_rel_err_median=statistics.median(errors),
+            forced_steps_argmax_differs=len(differ),
+            forced_nccl_top2_margin_max_where_differs=max(
+                (ref_margins_forced(ref_forced[i], argmax[i]) for i in differ), default=None),
+        )
+        return result
+
     def barrier(self):
         if self.world > 1:
             import torch.distributed as dist
@@ -389,6 +456,14 @@ class Runner:
         if error is not None:
             record["error"] = error
         return record
+
+
+def ref_margins_forced(ref_logits: torch.Tensor, argmax: torch.Tensor) -> float:
+    """At a teacher-forced step where a mode's argmax differs from (a)'s: the largest, over the
+    sequences that differ, of (a)'s logit gap between its own top token and the mode's."""
+    top = ref_logits.max(dim=-1).values
+    chosen = ref_logits.gather(1, argmax.to(ref_logits.device).view(-1, 1)).squeeze(1)
+    return float((top - chosen).max())
 
 
 def summarize(records):
@@ -412,7 +487,11 @@ def summarize(records):
         top = by_layers[counts[-1]]
         for name in ("logits_rel_err_vs_nccl", "greedy_steps_equal_nccl", "greedy_steps",
                      "nccl_top2_margin_median", "nccl_top2_margin_at_first_difference",
-                     "pass_rewrites"):
+                     "forced_logits_rel_err_max", "forced_logits_rel_err_median",
+                     "forced_steps_argmax_differs", "forced_nccl_top2_margin_max_where_differs",
+                     "repeat_greedy_steps_equal", "repeat_logits_rel_err",
+                     "pass_rewrites", "graphs_compiled", "last_graph_all_reduces_left",
+                     "last_graph_tpfuse_ops"):
             if name in top:
                 entry[name] = top[name]
         summary.append(entry)
@@ -429,19 +508,23 @@ def summarize(records):
 
 
 def print_summary(summary):
-    print(f"{'mode':>9} {'batch':>5} {'ctx':>5} {'ms/layer':>9} {'ms/step@62':>11} "
-          f"{'tok/s@62':>9} {'coll.share':>10} {'logit err':>9} {'greedy=':>7}")
+    print(f"{'mode':>15} {'batch':>5} {'ctx':>5} {'ms/layer':>9} {'ms/step@62':>11} "
+          f"{'tok/s@62':>9} {'coll.share':>10} {'logit err':>9} {'greedy=':>7} "
+          f"{'forced err':>10} {'forced diff':>11} {'margin':>7}")
     for s in summary:
         def fmt(name, spec):
             return format(s[name], spec) if s.get(name) is not None else "-"
 
         greedy = (f"{s['greedy_steps_equal_nccl']}/{s['greedy_steps']}"
                   if "greedy_steps" in s else "-")
-        print(f"{s['mode']:>9} {s['batch']:>5} {s['context']:>5} {fmt('ms_per_layer', '9.4f')} "
+        print(f"{s['mode']:>15} {s['batch']:>5} {s['context']:>5} {fmt('ms_per_layer', '9.4f')} "
               f"{fmt('projected_ms_per_step_62_layers', '11.3f')} "
               f"{fmt('projected_tokens_per_s_62_layers', '9.1f')} "
               f"{fmt('collective_share_per_layer', '10.2f')} "
-              f"{fmt('logits_rel_err_vs_nccl', '9.2e')} {greedy:>7}")
+              f"{fmt('logits_rel_err_vs_nccl', '9.2e')} {greedy:>7} "
+              f"{fmt('forced_logits_rel_err_max', '10.2e')} "
+              f"{fmt('forced_steps_argmax_differs', '11d')} "
+              f"{fmt('forced_nccl_top2_margin_max_where_differs', '7.3f')}")
 
 
 def _rank_main(rank, world, args, store_path, queue):
@@ -532,6 +615,8 @@ def main(argv=None):
         with open(args.out, "w") as file:
             json.dump({"info": info, "summary": summary, "records": records}, file, indent=1)
         print(f"wrote {args.out}")
+        if os.path.exists(args.out + ".partial.jsonl"):
+            os.remove(args.out + ".partial.jsonl")
     return 0
 
 

@@ -12,6 +12,7 @@ MODE_LABELS = {
     "nccl": "(a) NCCL all-reduce + norms",
     "symm_mem": "(b) torch symm-mem one-shot + norms",
     "tpfuse": "(c) tpfuse ops",
+    "tpfuse_compiled": "(c) tpfuse ops, layer compiled",
     "compiled": "(d) compiled with tpfuse passes",
     "local": "no collectives (floor)",
 }

@@ -4,14 +4,15 @@
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
-//      thread loads its q / k vectors of its block's first token, its gamma vectors and, for
-//      RoPE in registers, that token's cos / sin values (the latencies overlap).
+//      thread loads its q / k vectors of its block's first token and, for RoPE in registers,
+//      that token's position (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot.
-//   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
-//      call's slot but this rank's own region: as the add + RMSNorm one-shot kernel (oneshot.cu
-//      says why it is safe).
+//   3. the gamma vectors and, for RoPE in registers, the cos / sin values are loaded (their
+//      latency overlaps the packets' flight); arrival (the last block advances the slot
+//      index), launch_dependents, clear the previous call's slot but this rank's own region: as
+//      the add + RMSNorm one-shot kernel (oneshot.cu says why it is safe).
 //   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
 //      same bits on every rank; its own packet is one this thread stored in step 2), computes
 //      both scales and shares them; each thread normalizes its vectors (still in registers
@@ -19,6 +20,8 @@
 //      neox partner from another lane of the warp, or through shared memory for layouts where
 //      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
+
+#include <cstdlib>
 
 #include "common/error.h"
 #include "common/team_state.h"
@@ -104,9 +107,9 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
   float cos_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
   float sin_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
-  const auto load_rope_registers = [&](int64_t token) {
+  const auto load_rope_registers = [&](int64_t position) {
     if constexpr (kRopeRegisters) {
-      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+      const float* row_cos_sin = p.cos_sin_cache + position * p.rotary_dim;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int j0 = head_offset[i];
@@ -127,10 +130,12 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   if constexpr (!kFused) launch_dependents();  // a local pass has no slot to protect
 
   // 1. Thread 0 reads the control block while every thread loads its vectors of the block's
-  // first token (every block has at least one: the grid is at most `tokens` blocks), the gamma
-  // vectors and, for RoPE in registers, that token's cos/sin (the position load's latency
-  // overlaps the others'): the latencies overlap, and the first block sum's barrier publishes
-  // what thread 0 read.
+  // first token (every block has at least one: the grid is at most `tokens` blocks) and, for
+  // RoPE in registers, that token's position: the latencies overlap, and the first block sum's
+  // barrier publishes what thread 0 read. What only the epilogue needs (the gamma vectors, the
+  // cos/sin values) is loaded after the send, while the packets are in flight: issued here, a
+  // load the sums do not need could still hold them up (the compiler may wait for a group of
+  // loads at once).
   CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
     state = read_call_state(control);
@@ -138,15 +143,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   }
   Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
   load_values(blockIdx.x, values);
-  if constexpr (kPass != QkPass::kSums) {
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
-      if (c >= vectors) continue;
-      gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
-    }
-    load_rope_registers(blockIdx.x);
-  }
+  int64_t first_position = 0;
+  if constexpr (kRopeRegisters) first_position = p.positions[blockIdx.x];
 
   // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
   // peers time out too.
@@ -185,6 +183,13 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   if constexpr (kPass == QkPass::kSums) return;
   if (kFused && shared_state.failed != 0) return;
   const uint32_t slot = kFused ? shared_state.slot : 0;
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int64_t c = vector_of(i);
+    if (c >= vectors) continue;
+    gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
+  }
+  load_rope_registers(first_position);
 
   // 3. Arrival, trigger, clear.
   if (kFused && threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
@@ -201,7 +206,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     if (token != blockIdx.x || !first_token_held) load_values(token, values);
-    if (token != blockIdx.x) load_rope_registers(token);
+    if (token != blockIdx.x) load_rope_registers(kRopeRegisters ? p.positions[token] : 0);
     if constexpr (kRopeShared) {
       // The position's cos/sin row, loaded while the packets are in flight; the barrier after
       // the poll publishes it.
@@ -330,6 +335,25 @@ void dispatch_rope_path(RopePath path, Fn&& fn) {
   }
 }
 
+// The QK kernel's launch shape: launch_shape's (the fewest vectors per thread that fit one
+// block), or, for tuning, TPFUSE_TUNE_QK_VECS=1|2|4|8 vectors per thread where that shape fits.
+// The block sums' order follows the shape: every rank of a team must see the same value.
+LaunchShape qk_launch_shape(const QkNormParams& params, DType dtype) {
+  const int64_t width = params.q_size + params.kv_size;
+  LaunchShape shape = launch_shape(width, dtype_size(dtype));
+  static const int tuned = [] {
+    const char* value = std::getenv("TPFUSE_TUNE_QK_VECS");
+    return value != nullptr ? std::atoi(value) : 0;
+  }();
+  if (tuned == 1 || tuned == 2 || tuned == 4 || tuned == 8) {
+    const int64_t threads = (width * int64_t(dtype_size(dtype)) / 16 + tuned - 1) / tuned;
+    if (tuned >= shape.vecs_per_thread && threads <= kMaxThreads) {
+      shape = LaunchShape{tuned, int((threads + 31) / 32 * 32)};
+    }
+  }
+  return shape;
+}
+
 // Whether an instantiation exists (rope_path never picks kRegisters for more vectors).
 template <RopePath kRope, int kVecs>
 constexpr bool qk_kernel_exists() {
@@ -342,7 +366,7 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
                      cudaStream_t stream) {
   if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
-  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
+  const LaunchShape shape = qk_launch_shape(params, dtype);
   const RopePath path = rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread);
   const size_t shared_bytes = rope_shared_bytes(params, path);
   dispatch_dtype(dtype, [&](auto type_tag) {
@@ -395,7 +419,7 @@ void cuda_preload_qk_kernels(int world_size) {
 }
 
 void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
-  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
+  const LaunchShape shape = qk_launch_shape(params, dtype);
   const RopePath path = pass == QkPass::kNormFromSums
                             ? rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread)
                             : RopePath::kNone;

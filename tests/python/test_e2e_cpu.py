@@ -25,7 +25,7 @@ class EndToEndOnCpu(unittest.TestCase):
         with open(out) as file:
             results = json.load(file)
         summary = {s["mode"]: s for s in results["summary"]}
-        self.assertEqual(set(summary), {"nccl", "tpfuse", "compiled", "local"})
+        self.assertEqual(set(summary), {"nccl", "tpfuse", "tpfuse_compiled", "compiled", "local"})
         for s in summary.values():
             self.assertEqual(set(s["ms_per_step"]), {"1", "2"})
             self.assertIn("ms_per_layer", s)
@@ -34,11 +34,18 @@ class EndToEndOnCpu(unittest.TestCase):
             summary["compiled"]["pass_rewrites"],
             {"allreduce_add_rmsnorm": 2, "allreduce_qk_rmsnorm": 1, "allreduce_qk_rmsnorm_rope": 1},
         )
+        self.assertEqual(summary["compiled"]["last_graph_all_reduces_left"], 0)
+        self.assertEqual(summary["compiled"]["last_graph_tpfuse_ops"], 3)
         self.assertEqual(summary["nccl"]["logits_rel_err_vs_nccl"], 0.0)
+        # The reference against itself: teacher-forced on its own tokens, it repeats exactly.
+        self.assertEqual(summary["nccl"]["forced_logits_rel_err_max"], 0.0)
+        self.assertEqual(summary["nccl"]["forced_steps_argmax_differs"], 0)
+        self.assertEqual(summary["nccl"]["repeat_greedy_steps_equal"], 3)
         self.assertNotIn("logits_rel_err_vs_nccl", summary["local"])
-        for mode in ("tpfuse", "compiled"):
+        for mode in ("tpfuse", "tpfuse_compiled", "compiled"):
             self.assertLess(summary[mode]["logits_rel_err_vs_nccl"], 3e-2, mode)
             self.assertGreater(summary[mode]["logits_rel_err_vs_nccl"], 0.0, mode)  # really fused
+            self.assertLess(summary[mode]["forced_logits_rel_err_max"], 3e-2, mode)
         for record in results["records"]:
             self.assertNotIn("error", record)
 
