@@ -544,6 +544,11 @@ def _rank_main(rank, world, args, store_path, queue):
             dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
                                     world_size=world, device_id=device)
         torch._inductor.config.force_disable_caches = True
+        if args.sdpa != "default":
+            # One attention backend only (the default lets torch choose per call).
+            for name in ("flash", "mem_efficient", "cudnn", "math"):
+                getattr(torch.backends.cuda, f"enable_{name}_sdp")(
+                    name == {"efficient": "mem_efficient"}.get(args.sdpa, args.sdpa))
         runner = Runner(args, rank, world, device, dist.group.WORLD)
         records = runner.run()
         queue.put((rank, records, None))
@@ -567,6 +572,9 @@ def parse_args(argv=None):
     parser.add_argument("--world", type=int, default=0, help="ranks (default: every GPU)")
     parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (gloo, world 1)")
     parser.add_argument("--small", action="store_true", help="a tiny config (smoke tests)")
+    parser.add_argument("--sdpa", default="default",
+                        choices=("default", "flash", "efficient", "cudnn", "math"),
+                        help="the attention backend (default: torch's choice)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     for mode in args.modes:
