@@ -191,6 +191,14 @@ class Tpfuse(_Gather, Collectives):
         )
 
 
+def _driver() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
 def _commit() -> str:
     if os.environ.get("TPFUSE_BENCH_COMMIT"):
         return os.environ["TPFUSE_BENCH_COMMIT"]
@@ -572,9 +580,11 @@ def parse_args(argv=None):
     parser.add_argument("--world", type=int, default=0, help="ranks (default: every GPU)")
     parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (gloo, world 1)")
     parser.add_argument("--small", action="store_true", help="a tiny config (smoke tests)")
-    parser.add_argument("--sdpa", default="default",
+    parser.add_argument("--sdpa", default="flash",
                         choices=("default", "flash", "efficient", "cudnn", "math"),
-                        help="the attention backend (default: torch's choice)")
+                        help="the attention backend (default flash: torch's own choice for "
+                             "these shapes gives other bits from run to run on an H200 pair, "
+                             "which makes comparing modes' tokens meaningless)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     for mode in args.modes:
@@ -613,9 +623,12 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
         "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if not args.cpu else "",
+        "cuda": torch.version.cuda or "",
+        "driver": _driver() if not args.cpu else "",
         "commit": _commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "world_size": world,
+        "sdpa": args.sdpa,
     }
     summary = summarize(records)
     print_summary(summary)

@@ -14,7 +14,7 @@ MODE_LABELS = {
     "tpfuse": "(c) tpfuse ops",
     "tpfuse_compiled": "(c) tpfuse ops, layer compiled",
     "compiled": "(d) compiled with tpfuse passes",
-    "local": "no collectives (floor)",
+    "local": "(a) without its all-reduces (its floor)",
 }
 
 

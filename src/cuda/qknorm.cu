@@ -21,8 +21,6 @@
 //      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "common/error.h"
 #include "common/team_state.h"
 #include "cuda/device_ops.cuh"
@@ -335,25 +333,6 @@ void dispatch_rope_path(RopePath path, Fn&& fn) {
   }
 }
 
-// The QK kernel's launch shape: launch_shape's (the fewest vectors per thread that fit one
-// block), or, for tuning, TPFUSE_TUNE_QK_VECS=1|2|4|8 vectors per thread where that shape fits.
-// The block sums' order follows the shape: every rank of a team must see the same value.
-LaunchShape qk_launch_shape(const QkNormParams& params, DType dtype) {
-  const int64_t width = params.q_size + params.kv_size;
-  LaunchShape shape = launch_shape(width, dtype_size(dtype));
-  static const int tuned = [] {
-    const char* value = std::getenv("TPFUSE_TUNE_QK_VECS");
-    return value != nullptr ? std::atoi(value) : 0;
-  }();
-  if (tuned == 1 || tuned == 2 || tuned == 4 || tuned == 8) {
-    const int64_t threads = (width * int64_t(dtype_size(dtype)) / 16 + tuned - 1) / tuned;
-    if (tuned >= shape.vecs_per_thread && threads <= kMaxThreads) {
-      shape = LaunchShape{tuned, int((threads + 31) / 32 * 32)};
-    }
-  }
-  return shape;
-}
-
 // Whether an instantiation exists (rope_path never picks kRegisters for more vectors).
 template <RopePath kRope, int kVecs>
 constexpr bool qk_kernel_exists() {
@@ -366,7 +345,9 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
                      cudaStream_t stream) {
   if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
-  const LaunchShape shape = qk_launch_shape(params, dtype);
+  // The widest block that fits (one vector a thread): at MiniMax-M2's TP-2 shapes, two and four
+  // vectors a thread measured 0.1 and 0.5 us slower (bench/results/h200x2-20261130-abd03e7.md).
+  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const RopePath path = rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread);
   const size_t shared_bytes = rope_shared_bytes(params, path);
   dispatch_dtype(dtype, [&](auto type_tag) {
@@ -419,7 +400,7 @@ void cuda_preload_qk_kernels(int world_size) {
 }
 
 void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
-  const LaunchShape shape = qk_launch_shape(params, dtype);
+  const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const RopePath path = pass == QkPass::kNormFromSums
                             ? rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread)
                             : RopePath::kNone;
