@@ -34,32 +34,17 @@ namespace {
 
 // How a launch applies RoPE. kRegisters: each thread rotates its own vectors, the neox partner
 // vector comes from a lane of the same warp (a shuffle), the cos/sin values from the cache
-// straight into registers, loaded early; kShared: the general form, for layouts where a partner
-// may sit in another warp or a vector straddles a rotary half: the normalized row and the cos/sin
-// row go through shared memory. Both rotate each element through `rotate` (qknorm.h).
+// straight into registers, loaded while the packets are in flight; kShared: the general form, for
+// layouts where a partner may sit in another warp or a vector straddles a rotary half (qknorm.h's
+// rope_in_registers decides): the normalized row and the cos/sin row go through shared memory.
+// Both rotate each element through `rotate` (qknorm.h).
 enum class RopePath : int { kNone = 0, kShared = 1, kRegisters = 2 };
 
-// kRegisters holds two vectors per thread at most (the cos/sin registers).
-constexpr int kMaxRopeRegisterVecs = 2;
-
-// Whether a call's RoPE can run in registers: vectors never straddle a head or a rotary half
-// (neox) or the rotary boundary (interleaved), and every neox partner is held by a lane of the
-// same warp. A block's vector c is held by thread c % blockDim.x, lane c % 32 (blockDim.x is a
-// multiple of 32), and heads start at multiples of the head's vector count: a head lies in one
-// warp when its vector count divides 32, and its rotary part does when a head starts a warp and
-// the rotary part has at most 32 vectors.
 RopePath rope_path(const QkNormParams& p, int elements, int vecs_per_thread) {
   if (p.rope == 0) return RopePath::kNone;
-  if (vecs_per_thread > kMaxRopeRegisterVecs || p.head_dim % elements != 0 ||
-      p.rotary_dim % elements != 0) {
-    return RopePath::kShared;
-  }
-  if (p.rope == 2) return RopePath::kRegisters;  // interleaved pairs lie inside a vector
-  const int64_t head_vectors = p.head_dim / elements;
-  const bool half_whole = (p.rotary_dim / 2) % elements == 0;
-  const bool one_warp =
-      32 % head_vectors == 0 || (head_vectors % 32 == 0 && p.rotary_dim / elements <= 32);
-  return half_whole && one_warp ? RopePath::kRegisters : RopePath::kShared;
+  return rope_in_registers(p.rope, p.head_dim, p.rotary_dim, elements, vecs_per_thread)
+             ? RopePath::kRegisters
+             : RopePath::kShared;
 }
 
 // kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to

@@ -6,6 +6,7 @@
 
 #include "mixed_properties.h"
 #include "qknorm_properties.h"
+#include "tpfuse/impl/qknorm.h"
 
 namespace tpfuse::testing {
 namespace {
@@ -62,6 +63,66 @@ TEST(CpuQkNormMiniMax, ShapesAtTp248) {
     const QkData d = random_qk_data(rng, s, world);
     expect_qk_correct(s, d, run_qk(harness, s, d), world);
   }
+}
+
+// The GPU kernel's RoPE in registers takes each neox partner from lane +-(rotary_dim / 2) /
+// elements of the same warp, at the same index of the thread's vectors (vector c of a row in
+// thread c % threads, index c / threads). Wherever impl::rope_in_registers says yes, that must hold
+// for every rotary vector of the row, and no vector may straddle a head or a rotary half.
+TEST(QkRopeLayout, RegistersOnlyWhereEveryPartnerIsInTheSameWarp) {
+  int registers = 0, shared = 0;
+  for (int elements : {4, 8}) {  // fp32; fp16 / bf16
+    for (int64_t head_dim : {8, 16, 32, 64, 96, 128, 192, 256, 512}) {
+      for (int64_t rotary = 2; rotary <= head_dim; rotary += 2) {
+        for (int style : {1, 2}) {
+          for (int64_t heads : {1, 3, 6, 24, 48}) {
+            const int64_t width = (heads + 1) * head_dim;  // q heads, then one k head
+            for (int vecs : {1, 2, 4}) {
+              const bool in_registers =
+                  impl::rope_in_registers(style, head_dim, rotary, elements, vecs);
+              if (!in_registers) {
+                ++shared;
+                continue;
+              }
+              ++registers;
+              const int64_t vectors = width / elements;
+              const int64_t threads = ((vectors + vecs - 1) / vecs + 31) / 32 * 32;
+              const int64_t half = rotary / 2, away = half / elements;
+              for (int64_t c = 0; c < vectors; ++c) {
+                const int64_t j0 = (c * elements) % head_dim;
+                ASSERT_LE(j0 + elements, head_dim) << "a vector straddles two heads";
+                if (j0 >= rotary) continue;
+                // interleaved: pairs inside the vector, which lies in the rotary part; neox: the
+                // vector lies in one rotary half.
+                ASSERT_LE(j0 + elements, style == 2 || j0 >= half ? rotary : half)
+                    << "a vector straddles a rotary boundary: head_dim " << head_dim << " rotary "
+                    << rotary << " elements " << elements << " style " << style;
+                if (style == 2) continue;
+                const int64_t partner = j0 < half ? c + away : c - away;
+                ASSERT_EQ(partner * elements / head_dim, c * elements / head_dim);
+                ASSERT_EQ(partner / threads, c / threads) << "another index of the thread";
+                ASSERT_EQ((partner % threads) / 32, (c % threads) / 32)
+                    << "another warp: head_dim " << head_dim << " rotary " << rotary << " elements "
+                    << elements << " vecs " << vecs << " c " << c;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(registers, 0);
+  EXPECT_GT(shared, 0);
+  // MiniMax-M2's layout (head_dim 128, rotary 64, one vector a thread) runs in registers in every
+  // dtype; a rotary half that is not whole vectors, a 64-vector rotary part in fp32, and more than
+  // two vectors a thread do not.
+  EXPECT_TRUE(impl::rope_in_registers(1, 128, 64, 8, 1));
+  EXPECT_TRUE(impl::rope_in_registers(1, 128, 64, 4, 1));
+  EXPECT_TRUE(impl::rope_in_registers(2, 128, 64, 8, 2));
+  EXPECT_FALSE(impl::rope_in_registers(1, 128, 34, 8, 1));
+  EXPECT_FALSE(impl::rope_in_registers(1, 256, 256, 4, 1));
+  EXPECT_FALSE(impl::rope_in_registers(1, 128, 64, 8, 4));
+  EXPECT_FALSE(impl::rope_in_registers(0, 128, 64, 8, 1));
 }
 
 void expect_error_naming(const std::function<void()>& call, const std::string& name) {

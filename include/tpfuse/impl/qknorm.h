@@ -51,6 +51,31 @@ TPF_HOST_DEVICE float rotate(float x, float partner, float c, float s, bool firs
 #endif
 }
 
+// Whether the GPU kernel can run RoPE in registers for a layout (else it goes through shared
+// memory): vectors of `elements` never straddle a head or a rotary half (neox) or the rotary
+// boundary (interleaved), and every neox partner vector is held by a lane of the same warp, at
+// the same index of the thread's vectors. The kernel's block holds vector c of a row in thread
+// c % threads (threads a multiple of 32), lane c % 32; heads start at multiples of the head's
+// vector count, so a head lies in one warp when that count divides 32, and its rotary part does
+// when a head starts a warp and the rotary part has at most 32 vectors. At most
+// kMaxRopeRegisterVecs vectors a thread (the cos/sin registers). tests/cpu checks the claim on
+// every layout it can make.
+constexpr int kMaxRopeRegisterVecs = 2;
+
+inline bool rope_in_registers(int style, int64_t head_dim, int64_t rotary_dim, int elements,
+                              int vecs_per_thread) {
+  if (style == 0 || vecs_per_thread > kMaxRopeRegisterVecs || head_dim % elements != 0 ||
+      rotary_dim % elements != 0) {
+    return false;
+  }
+  if (style == 2) return true;  // interleaved pairs lie inside a vector
+  const int64_t head_vectors = head_dim / elements;
+  const bool half_whole = (rotary_dim / 2) % elements == 0;
+  const bool one_warp =
+      32 % head_vectors == 0 || (head_vectors % 32 == 0 && rotary_dim / elements <= 32);
+  return half_whole && one_warp;
+}
+
 // Element j (0 <= j < head_dim) of one head after the rotary embedding; `head` holds the head's
 // normalized fp32 values, `cos_sin` the position's cache row.
 TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_dim, int style,
