@@ -570,8 +570,9 @@ def parse_args(argv=None):
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     parser.add_argument("--batches", type=ints, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", type=ints, default=[512, 4096])
-    parser.add_argument("--layers", type=ints, default=[2, 6],
-                        help="two layer counts: the per-layer slope and the 62-layer projection")
+    parser.add_argument("--layers", type=ints, default=[2, 8],
+                        help="two layer counts: the per-layer slope and the 62-layer projection "
+                             "(far apart: the projection multiplies the slope's noise by 62)")
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=200064)
     parser.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
