@@ -14,8 +14,11 @@ Modes (same weights, same inputs):
                 also fuses the rest of the layer, so (d) against (c) eager mixes the two)
   compiled  (d) the unfused model written with functional collectives, each layer compiled with
                 torch.compile and tpfuse's passes installed
-  local     no collectives at all (wrong outputs): the compute floor, for the share of step time
-            in collectives
+  local     (a) without its all-reduces (wrong outputs): the floor of (a) and (b), for the share
+            of their step time in collectives
+  tpfuse_local
+            (c) on a team of one rank per process (the same fused kernels, no exchange; wrong
+            outputs): the floor of (c)
 
 Each (mode, batch, context, layer count) is timed as a CUDA graph of one decode step (the step
 feeds its argmax back as the next tokens and advances the positions), replayed; the median replay
@@ -59,7 +62,10 @@ from model import (  # noqa: E402
     tokens_per_second,
 )
 
-MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "local")
+MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "local", "tpfuse_local")
+# Modes without the exchange (wrong outputs: no comparison with (a)), and whose floor each is.
+LOCAL_MODES = ("local", "tpfuse_local")
+FLOORS = {"nccl": "local", "symm_mem": "local", "tpfuse": "tpfuse_local"}
 COMPILED_MODES = ("tpfuse_compiled", "compiled")
 
 
@@ -222,7 +228,7 @@ class Runner:
         self.weights = Weights(self.config, rank, world, device)
         self.grouped = grouped_gemm_works(device)
         self.cuda = device.type == "cuda"
-        self.team = None
+        self.team = self.local_team = None
         if {"tpfuse", "tpfuse_compiled", "compiled"} & set(args.modes):
             import tpfuse
 
@@ -240,6 +246,13 @@ class Runner:
             return Local(self.group, self.world)
         if mode in ("tpfuse", "tpfuse_compiled"):
             return Tpfuse(self.group, self.world, self.team)
+        if mode == "tpfuse_local":
+            import tpfuse
+
+            if self.local_team is None:
+                (self.local_team,) = (tpfuse.cuda_team([self.device.index]) if self.cuda
+                                      else tpfuse.cpu_team(1))
+            return Tpfuse(self.group, self.world, self.local_team)
         if mode == "symm_mem":
             return SymmMem(self.group, self.world, batch, self.config.hidden, self.device)
         raise ValueError(f"unknown mode {mode}")
@@ -301,7 +314,7 @@ class Runner:
                                 record["last_graph_tpfuse_ops"] = sum(
                                     op.startswith("tpfuse.") for op in after)
                         # 'local' computes without collectives: its outputs are not comparable.
-                        if layers == max(self.args.layers) and mode != "local":
+                        if layers == max(self.args.layers) and mode not in LOCAL_MODES:
                             tokens, logits, margins = self.greedy(decoder, cache, batch,
                                                                   context)
                             if mode == "nccl":
@@ -503,13 +516,14 @@ def summarize(records):
             if name in top:
                 entry[name] = top[name]
         summary.append(entry)
-    # 'local' is modes (a) and (b) without their all-reduces (the same separate norms): their
-    # floor. The fused modes have no such floor (their norms are inside the collective op).
-    floor = {(s["batch"], s["context"]): s for s in summary if s["mode"] == "local"}
+    # The share of a mode's step in collectives, against its floor (FLOORS): 'local' is (a) and
+    # (b) without their all-reduces (the same separate norms), 'tpfuse_local' is (c)'s fused
+    # kernels on a team of one (their norms are inside the collective op).
+    floor = {(s["mode"], s["batch"], s["context"]): s for s in summary}
     for s in summary:
-        if s["mode"] not in ("nccl", "symm_mem"):
+        if s["mode"] not in FLOORS:
             continue
-        base = floor.get((s["batch"], s["context"]))
+        base = floor.get((FLOORS[s["mode"]], s["batch"], s["context"]))
         if base and "ms_per_layer" in s and "ms_per_layer" in base and s["ms_per_layer"] > 0:
             s["collective_share_per_layer"] = 1 - base["ms_per_layer"] / s["ms_per_layer"]
     return summary

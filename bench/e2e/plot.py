@@ -15,6 +15,7 @@ MODE_LABELS = {
     "tpfuse_compiled": "(c) tpfuse ops, layer compiled",
     "compiled": "(d) compiled with tpfuse passes",
     "local": "(a) without its all-reduces (its floor)",
+    "tpfuse_local": "(c) on a team of one (its floor)",
 }
 
 
@@ -40,7 +41,7 @@ def main(path: str) -> int:
             if not points:
                 continue
             batches = [b for b, _ in points]
-            style = "--" if mode == "local" else "-"
+            style = "--" if mode.endswith("local") else "-"
             axes[0][column].plot(batches, [s["projected_ms_per_step_62_layers"] for _, s in points],
                                  style, marker="o", label=label)
             axes[1][column].plot(batches,

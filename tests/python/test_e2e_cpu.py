@@ -25,7 +25,9 @@ class EndToEndOnCpu(unittest.TestCase):
         with open(out) as file:
             results = json.load(file)
         summary = {s["mode"]: s for s in results["summary"]}
-        self.assertEqual(set(summary), {"nccl", "tpfuse", "tpfuse_compiled", "compiled", "local"})
+        self.assertEqual(
+            set(summary),
+            {"nccl", "tpfuse", "tpfuse_compiled", "compiled", "local", "tpfuse_local"})
         for s in summary.values():
             self.assertEqual(set(s["ms_per_step"]), {"1", "2"})
             self.assertIn("ms_per_layer", s)
@@ -41,13 +43,34 @@ class EndToEndOnCpu(unittest.TestCase):
         self.assertEqual(summary["nccl"]["forced_logits_rel_err_max"], 0.0)
         self.assertEqual(summary["nccl"]["forced_steps_argmax_differs"], 0)
         self.assertEqual(summary["nccl"]["repeat_greedy_steps_equal"], 3)
-        self.assertNotIn("logits_rel_err_vs_nccl", summary["local"])
+        for mode in ("local", "tpfuse_local"):
+            self.assertNotIn("logits_rel_err_vs_nccl", summary[mode])
         for mode in ("tpfuse", "tpfuse_compiled", "compiled"):
             self.assertLess(summary[mode]["logits_rel_err_vs_nccl"], 3e-2, mode)
             self.assertGreater(summary[mode]["logits_rel_err_vs_nccl"], 0.0, mode)  # really fused
             self.assertLess(summary[mode]["forced_logits_rel_err_max"], 3e-2, mode)
         for record in results["records"]:
             self.assertNotIn("error", record)
+
+
+class Summary(unittest.TestCase):
+    def test_each_mode_against_its_floor(self):
+        def record(mode, layers, ms):
+            return {"mode": mode, "batch": 1, "context": 512, "layers": layers, "ms_per_step": ms}
+
+        # ms per layer: nccl 0.5, local 0.4, tpfuse 0.25, tpfuse_local 0.2, compiled 0.2
+        records = [record("nccl", 2, 2.0), record("nccl", 4, 3.0),
+                   record("local", 2, 1.8), record("local", 4, 2.6),
+                   record("tpfuse", 2, 1.5), record("tpfuse", 4, 2.0),
+                   record("tpfuse_local", 2, 1.4), record("tpfuse_local", 4, 1.8),
+                   record("compiled", 2, 1.4), record("compiled", 4, 1.8)]
+        summary = {s["mode"]: s for s in decode.summarize(records)}
+        self.assertAlmostEqual(summary["nccl"]["ms_per_layer"], 0.5)
+        self.assertAlmostEqual(summary["nccl"]["projected_ms_per_step_62_layers"], 2.0 + 60 * 0.5)
+        self.assertAlmostEqual(summary["nccl"]["collective_share_per_layer"], 1 - 0.4 / 0.5)
+        self.assertAlmostEqual(summary["tpfuse"]["collective_share_per_layer"], 1 - 0.2 / 0.25)
+        for mode in ("local", "tpfuse_local", "compiled"):  # no floor of its own
+            self.assertNotIn("collective_share_per_layer", summary[mode])
 
 
 if __name__ == "__main__":
