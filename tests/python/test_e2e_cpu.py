@@ -12,6 +12,7 @@ import unittest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "e2e"))
 
 import decode  # noqa: E402
+import determinism  # noqa: E402
 
 
 class EndToEndOnCpu(unittest.TestCase):
@@ -51,6 +52,24 @@ class EndToEndOnCpu(unittest.TestCase):
             self.assertLess(summary[mode]["forced_logits_rel_err_max"], 3e-2, mode)
         for record in results["records"]:
             self.assertNotIn("error", record)
+
+
+class Determinism(unittest.TestCase):
+    def test_the_probe_runs_every_piece_and_counts_repeats(self):
+        out = os.path.join(tempfile.mkdtemp(), "determinism.json")
+        self.assertEqual(determinism.main(["--cpu", "--layers", "1", "--out", out]), 0)
+        with open(out) as file:
+            pieces = json.load(file)["pieces"]
+        for batch in ("1", "8", "32", "128"):
+            expected = {"moe", "router_topk", "lm_head", "attention_ctx512", "attention_ctx4096"}
+            if "grouped_mm" in pieces[batch]:  # where torch's grouped GEMM runs
+                expected.add("grouped_mm")
+            self.assertEqual(set(pieces[batch]), expected)
+        self.assertEqual(len(pieces["steps"]), 4)
+        for group in pieces.values():
+            for outcome in group.values():
+                self.assertGreater(outcome["runs"], 1)
+                self.assertLess(outcome["differ_from_first"], outcome["runs"])
 
 
 class Summary(unittest.TestCase):
