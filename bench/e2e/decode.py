@@ -290,9 +290,6 @@ class Runner:
                         import tpfuse.passes as passes
 
                         passes.install(self.team, self.group)
-                    if mode == "compiled":
-                        import tpfuse.passes as passes
-
                         rewrites_before = dict(passes.stats)
                         graphs_before = len(passes.graphs)
                     for layers in sorted(self.args.layers):
@@ -319,8 +316,8 @@ class Runner:
                                                                   context)
                             if mode == "nccl":
                                 again = self.greedy(decoder, cache, batch, context)
-                                record["repeat_greedy_steps_equal"] = int(
-                                    (again[0] == tokens).all(dim=1).cumprod(0).sum())
+                                record["repeat_greedy_steps_equal"] = equal_steps(again[0],
+                                                                                  tokens)
                                 record["repeat_logits_rel_err"] = relative_error(again[1], logits)
                                 reference = (tokens, logits, margins,
                                              self.forced(decoder, cache, batch, context, tokens))
@@ -437,7 +434,7 @@ class Runner:
     def compare(self, decoder, cache, batch, context, tokens, logits, reference):
         """This mode against mode (a): first logits, greedy tokens, and teacher-forced steps."""
         ref_tokens, ref_logits, ref_margins, (ref_forced, _) = reference
-        equal = int((tokens == ref_tokens).all(dim=1).cumprod(0).sum())
+        equal = equal_steps(tokens, ref_tokens)
         result = {
             "logits_rel_err_vs_nccl": relative_error(logits, ref_logits),
             "greedy_steps_equal_nccl": equal,
@@ -477,6 +474,12 @@ class Runner:
         if error is not None:
             record["error"] = error
         return record
+
+
+def equal_steps(tokens: torch.Tensor, reference: torch.Tensor) -> int:
+    """How many greedy steps [steps, batch] agree with the reference before the first that
+    does not."""
+    return int((tokens == reference).all(dim=1).cumprod(0).sum())
 
 
 def ref_margins_forced(ref_logits: torch.Tensor, argmax: torch.Tensor) -> float:

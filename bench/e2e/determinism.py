@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from decode import Local  # noqa: E402
 from model import Config, Decoder, KvCache, Weights, grouped_gemm_works, moe  # noqa: E402
 
 
@@ -86,29 +87,12 @@ def main(argv=None) -> int:
             pieces[f"attention_ctx{context}"] = repeats(
                 lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
-    class Local:  # the layer's collectives left out: a rank's own partial sums
-        def add_rms_norm(self, partial, residual, weight, eps):
-            residual = partial + residual
-            return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
-
-        def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
-            from model import rope
-
-            q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
-            q, k = qkv[:, :q_size].float(), qkv[:, q_size:q_size + kv_size].float()
-            q = (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + config.eps)).to(qkv.dtype)
-            k = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + config.eps)).to(qkv.dtype)
-            return rope(positions, q * w["q_norm"], k * w["k_norm"], cos_sin, config.head_dim,
-                        config.rotary_dim)
-
-        def all_gather(self, x):
-            return x
-
     for deterministic in (False, True):
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
         for batch in (1, 8):
             cache = KvCache(config, local, batch, 512, 0, device)
-            decoder = Decoder(weights, cache, Local(), 1, grouped)
+            # decode.py's mode (a) without its all-reduces, at world 1: a rank's own partials.
+            decoder = Decoder(weights, cache, Local(None, 1), 1, grouped)
             tokens = torch.randint(0, config.vocab, (batch,), device=device, generator=generator)
             positions = torch.full((batch,), 512, dtype=torch.int64, device=device)
             slot = torch.zeros(1, dtype=torch.int64, device=device)
