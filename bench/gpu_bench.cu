@@ -75,6 +75,9 @@ constexpr int kPingPongIterations = 20000;
 constexpr int kPingPongRepeats = 5;
 constexpr size_t kPeerCopyBytes = size_t{256} << 20;
 constexpr int kPeerCopyRepeats = 10;
+// The peer-store bandwidth floor's sizes: tokens x hidden (the plan's first hidden, else this).
+constexpr int64_t kStoreFloorTokens[] = {256, 1024, 2048, 4096, 16384};
+constexpr int64_t kStoreFloorHidden = 3072;
 
 // Seeds per buffer role; each rank and buffer set adds its own offset so no two buffers match.
 constexpr uint64_t kSeedInput = 1;
@@ -504,6 +507,30 @@ void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
                        " MiB GPU 0 -> GPU 1, median of " + std::to_string(kPeerCopyRepeats));
   record->gbps = copy.gbps;
   record->bytes = int64_t(kPeerCopyBytes);
+
+  // What a fused op's stores can reach: both GPUs storing a [tokens, hidden] tensor into each
+  // other at once, the bytes each rank sends per call in one-shot and in two-shot (half in the
+  // reduce-scatter, half in the all-gather).
+  const int64_t hidden = plan.shapes.empty() ? kStoreFloorHidden : plan.shapes.front().first;
+  for (const int64_t tokens : kStoreFloorTokens) {
+    const size_t bytes = size_t(tokens) * size_t(hidden) * dtype_size(plan.dtype);
+    for (const bool volatile_stores : {false, true}) {
+      const CopyFloor store = measure_peer_store_both_ways(0, 1, bytes, volatile_stores,
+                                                           plan.ops_per_graph, plan.replays);
+      Record* floor = floor_record(
+          volatile_stores ? "nvlink_store_both_ways_volatile" : "nvlink_store_both_ways", 2,
+          store.us,
+          "GPU 0 and GPU 1 each store " + std::to_string(tokens) + " x " + std::to_string(hidden) +
+              " " + dtype_name(plan.dtype) + " (read locally) into the other at once, " +
+              (volatile_stores ? "st.volatile" : "st.global") + ".v4; cuda-graph of " +
+              std::to_string(plan.ops_per_graph) + " kernels per GPU, median of " +
+              std::to_string(plan.replays) + " replays on GPU 0");
+      floor->tokens = tokens;
+      floor->hidden = hidden;
+      floor->gbps = store.gbps;
+      floor->bytes = int64_t(bytes);
+    }
+  }
 }
 
 }  // namespace

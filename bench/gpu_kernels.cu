@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "bench.h"
@@ -62,6 +63,36 @@ __global__ void ping_pong_kernel(volatile int* own_flag, volatile int* peer_flag
       }
     }
     if (!starter) *peer_flag = i;
+  }
+}
+
+// Stores `vectors` 16-byte vectors read from `source` into `destination` (a peer's memory), four
+// in flight per thread. kVolatile: st.volatile, as tpfuse's packets are stored; otherwise plain
+// st.global.
+template <bool kVolatile>
+__global__ void peer_store_kernel(const int4* source, int4* destination, int64_t vectors) {
+  constexpr int kUnroll = 4;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t base = first; base < vectors; base += stride * kUnroll) {
+    int4 values[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < vectors) values[u] = source[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i >= vectors) continue;
+      if constexpr (kVolatile) {
+        asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(destination + i),
+                     "r"(values[u].x), "r"(values[u].y), "r"(values[u].z), "r"(values[u].w)
+                     : "memory");
+      } else {
+        destination[i] = values[u];
+      }
+    }
   }
 }
 
@@ -300,6 +331,87 @@ CopyFloor measure_peer_copy(int source_device, int destination_device, size_t by
   }
   CopyFloor floor;
   floor.us = median(copy_us);
+  floor.gbps = double(bytes) / (floor.us * 1e-6) / 1e9;
+  return floor;
+}
+
+CopyFloor measure_peer_store_both_ways(int device_a, int device_b, size_t bytes,
+                                       bool volatile_stores, int nodes, int replays) {
+  enable_peer_access(device_a, device_b);
+  enable_peer_access(device_b, device_a);
+  const int64_t vectors = int64_t(bytes / sizeof(int4));
+  ScopedDevice restore(device_a);
+  // Per device: a source filled locally, a destination the other device stores into, a stream
+  // and a graph of `nodes` store kernels.
+  struct Side {
+    int device = 0;
+    std::unique_ptr<DeviceAllocation> source, destination;
+    std::unique_ptr<TimedStream> timed;
+    cudaGraphExec_t exec = nullptr;
+    ~Side() {
+      DeviceForCleanup cleanup(device);
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+    }
+  };
+  Side sides[2];
+  const int devices[2] = {device_a, device_b};
+  for (int s = 0; s < 2; ++s) {
+    TPF_CHECK_CUDA(cudaSetDevice(devices[s]));
+    sides[s].device = devices[s];
+    sides[s].source = std::make_unique<DeviceAllocation>(bytes);
+    sides[s].destination = std::make_unique<DeviceAllocation>(bytes);
+    sides[s].timed = std::make_unique<TimedStream>();
+    TPF_CHECK_CUDA(cudaMemset(sides[s].source->pointer, s + 1, bytes));
+    TPF_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  for (int s = 0; s < 2; ++s) {
+    TPF_CHECK_CUDA(cudaSetDevice(devices[s]));
+    int multiprocessors = 0;
+    TPF_CHECK_CUDA(
+        cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, devices[s]));
+    constexpr int kThreads = 512;
+    const int blocks = int(std::max<int64_t>(
+        1, std::min<int64_t>(int64_t(multiprocessors) * 4, (vectors + kThreads - 1) / kThreads)));
+    const auto* source = static_cast<const int4*>(sides[s].source->pointer);
+    auto* destination = static_cast<int4*>(sides[1 - s].destination->pointer);
+    cudaStream_t stream = sides[s].timed->stream;
+    cudaGraph_t graph = nullptr;
+    TPF_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < nodes; ++i) {
+      if (volatile_stores) {
+        peer_store_kernel<true><<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
+      } else {
+        peer_store_kernel<false><<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
+      }
+    }
+    const cudaError_t launched = cudaGetLastError();
+    const cudaError_t captured = cudaStreamEndCapture(stream, &graph);
+    TPF_CHECK_CUDA(launched);
+    TPF_CHECK_CUDA(captured);
+    const cudaError_t instantiated = cudaGraphInstantiate(&sides[s].exec, graph, 0);
+    cudaGraphDestroy(graph);
+    TPF_CHECK_CUDA(instantiated);
+  }
+  // Device b's graph is launched first so that both store at once; device a's events time its
+  // own graph (any start skew is spread over `nodes` kernels).
+  std::vector<double> per_kernel_us;
+  for (int replay = 0; replay < kGpuWarmupReplays + replays; ++replay) {
+    TPF_CHECK_CUDA(cudaSetDevice(device_b));
+    TPF_CHECK_CUDA(cudaGraphLaunch(sides[1].exec, sides[1].timed->stream));
+    TPF_CHECK_CUDA(cudaSetDevice(device_a));
+    TimedStream& timed = *sides[0].timed;
+    TPF_CHECK_CUDA(cudaEventRecord(timed.start, timed.stream));
+    TPF_CHECK_CUDA(cudaGraphLaunch(sides[0].exec, timed.stream));
+    TPF_CHECK_CUDA(cudaEventRecord(timed.stop, timed.stream));
+    TPF_CHECK_CUDA(cudaEventSynchronize(timed.stop));
+    TPF_CHECK_CUDA(cudaSetDevice(device_b));
+    TPF_CHECK_CUDA(cudaStreamSynchronize(sides[1].timed->stream));
+    if (replay >= kGpuWarmupReplays) {
+      per_kernel_us.push_back(double(timed.elapsed_ms()) * 1000.0 / nodes);
+    }
+  }
+  CopyFloor floor;
+  floor.us = median(per_kernel_us);
   floor.gbps = double(bytes) / (floor.us * 1e-6) / 1e9;
   return floor;
 }

@@ -31,6 +31,13 @@ struct CopyFloor {
 // A cudaMemcpyPeerAsync of `bytes` from one device to another, median of `repeats` copies.
 CopyFloor measure_peer_copy(int source_device, int destination_device, size_t bytes, int repeats);
 
+// Both devices store `bytes` (read from their own memory) into the other's memory at once: the
+// NVLink bandwidth a fused kernel's stores can reach, each direction. A CUDA graph of `nodes`
+// store kernels on each device, device a's replays timed; us per kernel, median of `replays`.
+// volatile_stores: st.volatile, as tpfuse stores its packets.
+CopyFloor measure_peer_store_both_ways(int device_a, int device_b, size_t bytes,
+                                       bool volatile_stores, int nodes, int replays);
+
 // Enables peer access from the current device to `peer`; already enabled is fine.
 void enable_peer_access(int device, int peer);
 

@@ -208,7 +208,10 @@ void print_table(const RunInfo& info, const std::vector<Record>& records) {
       std::printf("\nfloors (same run):\n");
       floors_header = true;
     }
-    if (record.gbps) {
+    if (record.gbps && record.tokens > 0) {
+      std::printf("  %-32s %6lld tokens %10.2f us  %8.1f GB/s\n", record.impl.c_str(),
+                  static_cast<long long>(record.tokens), record.us, *record.gbps);
+    } else if (record.gbps) {
       std::printf("  %-26s %10.1f us  %8.1f GB/s\n", record.impl.c_str(), record.us, *record.gbps);
     } else {
       std::printf("  %-26s %10.3f us\n", record.impl.c_str(), record.us);

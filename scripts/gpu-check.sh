@@ -2,11 +2,12 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench python e2e" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench profile python e2e" scripts/gpu-check.sh
 #
 # python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
 # passes under CUDA graphs) and bench/torch_host_overhead.py. e2e: the end-to-end decode
-# benchmark (bench/e2e/decode.py; E2E_ARGS narrows it).
+# benchmark (bench/e2e/decode.py; E2E_ARGS narrows it). profile: Nsight Compute on the QK-norm
+# kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -85,6 +86,20 @@ if [[ " $STEPS " == *" bench "* ]]; then
   step bench
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
   python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+  step profile
+  # Nsight Compute on the QK-norm kernels of a one-GPU run (a team of one: no peer, so ncu's
+  # kernel replay cannot stall on another GPU), with and without RoPE: stall reasons and the
+  # SASS lines warps wait on. Clocks are left alone (--clock-control none).
+  timeout 240 ncu --clock-control none --kernel-name regex:qk_rmsnorm_kernel \
+    --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section WarpStateStats \
+    --section SourceCounters --section SchedulerStats \
+    "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden 6144 \
+    --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
+    >"$OUT/ncu-qk.txt" 2>&1
+  echo "ncu: exit $? ($(grep -c 'qk_rmsnorm_kernel' "$OUT/ncu-qk.txt") kernel lines)"
+  rm -f "$OUT/profile-bench.json"
 fi
 if [[ " $STEPS " == *" python "* ]]; then
   step python
