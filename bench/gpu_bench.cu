@@ -508,26 +508,29 @@ void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
   record->gbps = copy.gbps;
   record->bytes = int64_t(kPeerCopyBytes);
 
-  // What a fused op's stores can reach: both GPUs storing a [tokens, hidden] tensor into each
-  // other at once, the bytes each rank sends per call in one-shot and in two-shot (half in the
-  // reduce-scatter, half in the all-gather).
+  // What NVLink carries each way while the other way is busy too: both GPUs sending a [tokens,
+  // hidden] tensor into each other at once, the bytes each rank sends per call in one-shot and
+  // in two-shot (half in the reduce-scatter, half in the all-gather); by SM stores, as a fused
+  // kernel sends, and by the copy engines.
   const int64_t hidden = plan.shapes.empty() ? kStoreFloorHidden : plan.shapes.front().first;
   for (const int64_t tokens : kStoreFloorTokens) {
     const size_t bytes = size_t(tokens) * size_t(hidden) * dtype_size(plan.dtype);
-    for (const bool volatile_stores : {false, true}) {
-      const CopyFloor store = measure_peer_store_both_ways(0, 1, bytes, volatile_stores,
-                                                           plan.ops_per_graph, plan.replays);
+    for (const PeerTransfer transfer : {PeerTransfer::kStores, PeerTransfer::kCopyEngine}) {
+      const bool stores = transfer == PeerTransfer::kStores;
+      const CopyFloor both =
+          measure_peer_both_ways(0, 1, bytes, transfer, plan.ops_per_graph, plan.replays);
       Record* floor = floor_record(
-          volatile_stores ? "nvlink_store_both_ways_volatile" : "nvlink_store_both_ways", 2,
-          store.us,
-          "GPU 0 and GPU 1 each store " + std::to_string(tokens) + " x " + std::to_string(hidden) +
-              " " + dtype_name(plan.dtype) + " (read locally) into the other at once, " +
-              (volatile_stores ? "st.volatile" : "st.global") + ".v4; cuda-graph of " +
-              std::to_string(plan.ops_per_graph) + " kernels per GPU, median of " +
-              std::to_string(plan.replays) + " replays on GPU 0");
+          stores ? "nvlink_store_both_ways" : "nvlink_copy_both_ways", 2, both.us,
+          "GPU 0 and GPU 1 each send " + std::to_string(tokens) + " x " + std::to_string(hidden) +
+              " " + dtype_name(plan.dtype) + " into the other at once, " +
+              (stores ? "SM stores (st.global.v4 of vectors read locally)"
+                      : "copy engines (cudaMemcpyPeerAsync)") +
+              "; cuda-graph of " + std::to_string(plan.ops_per_graph) +
+              " transfers per GPU, median of " + std::to_string(plan.replays) +
+              " replays on GPU 0");
       floor->tokens = tokens;
       floor->hidden = hidden;
-      floor->gbps = store.gbps;
+      floor->gbps = both.gbps;
       floor->bytes = int64_t(bytes);
     }
   }

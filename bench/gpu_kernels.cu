@@ -67,9 +67,7 @@ __global__ void ping_pong_kernel(volatile int* own_flag, volatile int* peer_flag
 }
 
 // Stores `vectors` 16-byte vectors read from `source` into `destination` (a peer's memory), four
-// in flight per thread. kVolatile: st.volatile, as tpfuse's packets are stored; otherwise plain
-// st.global.
-template <bool kVolatile>
+// in flight per thread. (st.volatile, as tpfuse stores its packets, measured the same.)
 __global__ void peer_store_kernel(const int4* source, int4* destination, int64_t vectors) {
   constexpr int kUnroll = 4;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -84,14 +82,7 @@ __global__ void peer_store_kernel(const int4* source, int4* destination, int64_t
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * stride;
-      if (i >= vectors) continue;
-      if constexpr (kVolatile) {
-        asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(destination + i),
-                     "r"(values[u].x), "r"(values[u].y), "r"(values[u].z), "r"(values[u].w)
-                     : "memory");
-      } else {
-        destination[i] = values[u];
-      }
+      if (i < vectors) destination[i] = values[u];
     }
   }
 }
@@ -335,8 +326,8 @@ CopyFloor measure_peer_copy(int source_device, int destination_device, size_t by
   return floor;
 }
 
-CopyFloor measure_peer_store_both_ways(int device_a, int device_b, size_t bytes,
-                                       bool volatile_stores, int nodes, int replays) {
+CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerTransfer transfer,
+                                 int nodes, int replays) {
   enable_peer_access(device_a, device_b);
   enable_peer_access(device_b, device_a);
   const int64_t vectors = int64_t(bytes / sizeof(int4));
@@ -378,10 +369,11 @@ CopyFloor measure_peer_store_both_ways(int device_a, int device_b, size_t bytes,
     cudaGraph_t graph = nullptr;
     TPF_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < nodes; ++i) {
-      if (volatile_stores) {
-        peer_store_kernel<true><<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
+      if (transfer == PeerTransfer::kStores) {
+        peer_store_kernel<<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
       } else {
-        peer_store_kernel<false><<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
+        TPF_CHECK_CUDA(
+            cudaMemcpyPeerAsync(destination, devices[1 - s], source, devices[s], bytes, stream));
       }
     }
     const cudaError_t launched = cudaGetLastError();

@@ -31,12 +31,15 @@ struct CopyFloor {
 // A cudaMemcpyPeerAsync of `bytes` from one device to another, median of `repeats` copies.
 CopyFloor measure_peer_copy(int source_device, int destination_device, size_t bytes, int repeats);
 
-// Both devices store `bytes` (read from their own memory) into the other's memory at once: the
-// NVLink bandwidth a fused kernel's stores can reach, each direction. A CUDA graph of `nodes`
-// store kernels on each device, device a's replays timed; us per kernel, median of `replays`.
-// volatile_stores: st.volatile, as tpfuse stores its packets.
-CopyFloor measure_peer_store_both_ways(int device_a, int device_b, size_t bytes,
-                                       bool volatile_stores, int nodes, int replays);
+// How the both-ways bandwidth floor moves its bytes: SM stores (16-byte vectors read locally and
+// stored into the peer, as a fused kernel sends) or the copy engines (cudaMemcpyPeerAsync).
+enum class PeerTransfer { kStores, kCopyEngine };
+
+// Both devices send `bytes` into the other's memory at once: the NVLink bandwidth each direction
+// reaches while the other direction is busy too (as in an all-reduce). A CUDA graph of `nodes`
+// transfers on each device, device a's replays timed; us per transfer, median of `replays`.
+CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerTransfer transfer,
+                                 int nodes, int replays);
 
 // Enables peer access from the current device to `peer`; already enabled is fine.
 void enable_peer_access(int device, int peer);

@@ -2,7 +2,7 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench profile python e2e" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench experiments profile python e2e" scripts/gpu-check.sh
 #
 # python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
 # passes under CUDA graphs) and bench/torch_host_overhead.py. e2e: the end-to-end decode
@@ -87,14 +87,29 @@ if [[ " $STEPS " == *" bench "* ]]; then
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
   python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
 fi
+if [[ " $STEPS " == *" experiments "* ]]; then
+  step experiments
+  # Timing experiments: tpfuse-bench once per value of an environment knob the library reads
+  # (EXPERIMENT_VAR, e.g. TPFUSE_QK_EXPERIMENT) over EXPERIMENT_VALUES, same binary, back to back;
+  # logs and JSON per value in experiments.tgz.
+  mkdir -p "$OUT/experiments"
+  for value in ${EXPERIMENT_VALUES:-0}; do
+    env "${EXPERIMENT_VAR:-TPFUSE_EXPERIMENT}=$value" TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} \
+      "$BUILD/bench/tpfuse-bench" --out "$OUT/experiments/$value.json" ${EXPERIMENT_ARGS:-} \
+      >"$OUT/experiments/$value.log" 2>&1 || status=1
+    echo "${EXPERIMENT_VAR:-TPFUSE_EXPERIMENT}=$value:"
+    grep -E "^qk norm" "$OUT/experiments/$value.log" | sed 's/^/  /'
+  done
+  (cd "$OUT" && tar czf experiments.tgz --remove-files experiments)
+fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile
   # Nsight Compute on the QK-norm kernels of a one-GPU run (a team of one: no peer, so ncu's
-  # kernel replay cannot stall on another GPU), with and without RoPE: stall reasons and the
-  # SASS lines warps wait on. Clocks are left alone (--clock-control none).
+  # kernel replay cannot stall on another GPU), with and without RoPE: duration and the warps'
+  # stall reasons. Clocks are left alone (--clock-control none).
   timeout 240 ncu --clock-control none --kernel-name regex:qk_rmsnorm_kernel \
-    --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section WarpStateStats \
-    --section SourceCounters --section SchedulerStats \
+    --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section SpeedOfLight \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden 6144 \
     --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
     >"$OUT/ncu-qk.txt" 2>&1

@@ -14,6 +14,9 @@ Modes (same weights, same inputs):
                 also fuses the rest of the layer, so (d) against (c) eager mixes the two)
   compiled  (d) the unfused model written with functional collectives, each layer compiled with
                 torch.compile and tpfuse's passes installed
+  inductor  the control for (d): the same compiled model without tpfuse's passes (NCCL
+                all-reduces, Inductor's own fusions): how far a change of rounding that users
+                already accept (torch.compile of (a)) moves the tokens and logits from (a)
   local     (a) without its all-reduces (wrong outputs): the floor of (a) and (b), for the share
             of their step time in collectives
   tpfuse_local
@@ -62,11 +65,12 @@ from model import (  # noqa: E402
     tokens_per_second,
 )
 
-MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "local", "tpfuse_local")
+MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "inductor", "local",
+         "tpfuse_local")
 # Modes without the exchange (wrong outputs: no comparison with (a)), and whose floor each is.
 LOCAL_MODES = ("local", "tpfuse_local")
 FLOORS = {"nccl": "local", "symm_mem": "local", "tpfuse": "tpfuse_local"}
-COMPILED_MODES = ("tpfuse_compiled", "compiled")
+COMPILED_MODES = ("tpfuse_compiled", "compiled", "inductor")
 
 
 def _split_qk(qkv, config, local):
@@ -240,7 +244,7 @@ class Runner:
     def collectives(self, mode, batch):
         if mode == "nccl":
             return Nccl(self.group, self.world)
-        if mode == "compiled":
+        if mode in ("compiled", "inductor"):
             return Functional(self.group, self.world)
         if mode == "local":
             return Local(self.group, self.world)

@@ -14,6 +14,7 @@ MODE_LABELS = {
     "tpfuse": "(c) tpfuse ops",
     "tpfuse_compiled": "(c) tpfuse ops, layer compiled",
     "compiled": "(d) compiled with tpfuse passes",
+    "inductor": "(a) compiled, no tpfuse (control)",
     "local": "(a) without its all-reduces (its floor)",
     "tpfuse_local": "(c) on a team of one (its floor)",
 }

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 
@@ -249,6 +250,11 @@ QkNormParams make_qk_local_params(const QkNormArgs& args) {
   params.rotary_dim = args.rotary_dim;
   params.positions = args.positions;
   params.cos_sin_cache = args.cos_sin_cache;
+  static const int experiment = [] {
+    const char* value = std::getenv("TPFUSE_QK_EXPERIMENT");
+    return value != nullptr ? std::atoi(value) : 0;
+  }();
+  params.experiment = experiment;
   return params;
 }
 

@@ -112,6 +112,10 @@ struct QkNormParams {
   const int64_t* positions;
   const float* cos_sin_cache;
   float* sums;  // local halves only: [tokens, 2] written (sum pass) or read (norm pass)
+  // TEMPORARY timing experiment (TPFUSE_QK_EXPERIMENT, read once): bit 0 skips the rotation
+  // math, bit 1 skips the cos/sin loads, bit 2 loads cos/sin before the send, bit 3 arrives from
+  // thread 32. Outputs are wrong with bits 0-1 set; 0 (the default) is the real kernel.
+  int experiment;
 };
 
 enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };

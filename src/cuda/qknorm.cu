@@ -92,6 +92,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   float sin_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
   const auto load_rope_registers = [&](int64_t position) {
     if constexpr (kRopeRegisters) {
+      if (p.experiment & 2) {
+#pragma unroll
+        for (int i = 0; i < kVecsPerThread; ++i) {
+#pragma unroll
+          for (int e = 0; e < kElements; ++e) {
+            cos_lanes[i][e] = 1.0f;
+            sin_lanes[i][e] = float(position & 1);
+          }
+        }
+        return;
+      }
       const float* row_cos_sin = p.cos_sin_cache + position * p.rotary_dim;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
@@ -128,6 +139,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   load_values(blockIdx.x, values);
   int64_t first_position = 0;
   if constexpr (kRopeRegisters) first_position = p.positions[blockIdx.x];
+  if (p.experiment & 4) load_rope_registers(first_position);
 
   // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
   // peers time out too.
@@ -172,10 +184,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     if (c >= vectors) continue;
     gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
   }
-  load_rope_registers(first_position);
+  if (!(p.experiment & 4)) load_rope_registers(first_position);
 
   // 3. Arrival, trigger, clear.
-  if (kFused && threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
+  const unsigned arriver = (p.experiment & 8) && blockDim.x > 32 ? 32u : 0u;
+  if (kFused && threadIdx.x == arriver) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
     clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_state.clear_bytes, world,
@@ -260,7 +273,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int j0 = head_offset[i];
-        const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim;
+        const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim && !(p.experiment & 1);
         if (p.rope == 1) {
           // neox: the partner vector is half / kElements vectors away, on that lane; every lane
           // of the warp takes part in the shuffle.

@@ -28,7 +28,7 @@ class EndToEndOnCpu(unittest.TestCase):
         summary = {s["mode"]: s for s in results["summary"]}
         self.assertEqual(
             set(summary),
-            {"nccl", "tpfuse", "tpfuse_compiled", "compiled", "local", "tpfuse_local"})
+            {"nccl", "tpfuse", "tpfuse_compiled", "compiled", "inductor", "local", "tpfuse_local"})
         for s in summary.values():
             self.assertEqual(set(s["ms_per_step"]), {"1", "2"})
             self.assertIn("ms_per_layer", s)
@@ -50,6 +50,9 @@ class EndToEndOnCpu(unittest.TestCase):
             self.assertLess(summary[mode]["logits_rel_err_vs_nccl"], 3e-2, mode)
             self.assertGreater(summary[mode]["logits_rel_err_vs_nccl"], 0.0, mode)  # really fused
             self.assertLess(summary[mode]["forced_logits_rel_err_max"], 3e-2, mode)
+        # The control (the unfused model compiled without the passes) is compared like them.
+        self.assertLess(summary["inductor"]["logits_rel_err_vs_nccl"], 3e-2)
+        self.assertNotIn("pass_rewrites", summary["inductor"])
         for record in results["records"]:
             self.assertNotIn("error", record)
 
