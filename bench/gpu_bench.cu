@@ -525,9 +525,9 @@ void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
               " " + dtype_name(plan.dtype) + " into the other at once, " +
               (stores ? "SM stores (st.global.v4 of vectors read locally)"
                       : "copy engines (cudaMemcpyPeerAsync)") +
-              "; cuda-graph of " + std::to_string(plan.ops_per_graph) +
-              " transfers per GPU, median of " + std::to_string(plan.replays) +
-              " replays on GPU 0");
+              "; " + std::to_string(plan.ops_per_graph) +
+              (stores ? " kernels per GPU in a cuda-graph" : " copies per GPU enqueued directly") +
+              ", median of " + std::to_string(plan.replays) + " replays on GPU 0");
       floor->tokens = tokens;
       floor->hidden = hidden;
       floor->gbps = both.gbps;

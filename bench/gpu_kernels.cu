@@ -332,8 +332,9 @@ CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerT
   enable_peer_access(device_b, device_a);
   const int64_t vectors = int64_t(bytes / sizeof(int4));
   ScopedDevice restore(device_a);
-  // Per device: a source filled locally, a destination the other device stores into, a stream
-  // and a graph of `nodes` store kernels.
+  // Per device: a source filled locally, a destination the other device sends into, a stream,
+  // and (SM stores) a graph of `nodes` store kernels; peer copies cannot be captured, so the
+  // copy engines get `nodes` copies enqueued per replay instead.
   struct Side {
     int device = 0;
     std::unique_ptr<DeviceAllocation> source, destination;
@@ -355,7 +356,7 @@ CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerT
     TPF_CHECK_CUDA(cudaMemset(sides[s].source->pointer, s + 1, bytes));
     TPF_CHECK_CUDA(cudaDeviceSynchronize());
   }
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < 2 && transfer == PeerTransfer::kStores; ++s) {
     TPF_CHECK_CUDA(cudaSetDevice(devices[s]));
     int multiprocessors = 0;
     TPF_CHECK_CUDA(
@@ -369,12 +370,7 @@ CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerT
     cudaGraph_t graph = nullptr;
     TPF_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < nodes; ++i) {
-      if (transfer == PeerTransfer::kStores) {
-        peer_store_kernel<<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
-      } else {
-        TPF_CHECK_CUDA(
-            cudaMemcpyPeerAsync(destination, devices[1 - s], source, devices[s], bytes, stream));
-      }
+      peer_store_kernel<<<blocks, kThreads, 0, stream>>>(source, destination, vectors);
     }
     const cudaError_t launched = cudaGetLastError();
     const cudaError_t captured = cudaStreamEndCapture(stream, &graph);
@@ -384,26 +380,38 @@ CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerT
     cudaGraphDestroy(graph);
     TPF_CHECK_CUDA(instantiated);
   }
-  // Device b's graph is launched first so that both store at once; device a's events time its
-  // own graph (any start skew is spread over `nodes` kernels).
-  std::vector<double> per_kernel_us;
+  const auto enqueue = [&](int s) {
+    Side& side = sides[s];
+    if (side.exec != nullptr) {
+      TPF_CHECK_CUDA(cudaGraphLaunch(side.exec, side.timed->stream));
+      return;
+    }
+    for (int i = 0; i < nodes; ++i) {
+      TPF_CHECK_CUDA(cudaMemcpyPeerAsync(sides[1 - s].destination->pointer, devices[1 - s],
+                                         side.source->pointer, devices[s], bytes,
+                                         side.timed->stream));
+    }
+  };
+  // Device b's transfers are enqueued first so that both send at once; device a's events time
+  // its own (any start skew is spread over `nodes` transfers).
+  std::vector<double> per_transfer_us;
   for (int replay = 0; replay < kGpuWarmupReplays + replays; ++replay) {
     TPF_CHECK_CUDA(cudaSetDevice(device_b));
-    TPF_CHECK_CUDA(cudaGraphLaunch(sides[1].exec, sides[1].timed->stream));
+    enqueue(1);
     TPF_CHECK_CUDA(cudaSetDevice(device_a));
     TimedStream& timed = *sides[0].timed;
     TPF_CHECK_CUDA(cudaEventRecord(timed.start, timed.stream));
-    TPF_CHECK_CUDA(cudaGraphLaunch(sides[0].exec, timed.stream));
+    enqueue(0);
     TPF_CHECK_CUDA(cudaEventRecord(timed.stop, timed.stream));
     TPF_CHECK_CUDA(cudaEventSynchronize(timed.stop));
     TPF_CHECK_CUDA(cudaSetDevice(device_b));
     TPF_CHECK_CUDA(cudaStreamSynchronize(sides[1].timed->stream));
     if (replay >= kGpuWarmupReplays) {
-      per_kernel_us.push_back(double(timed.elapsed_ms()) * 1000.0 / nodes);
+      per_transfer_us.push_back(double(timed.elapsed_ms()) * 1000.0 / nodes);
     }
   }
   CopyFloor floor;
-  floor.us = median(per_kernel_us);
+  floor.us = median(per_transfer_us);
   floor.gbps = double(bytes) / (floor.us * 1e-6) / 1e9;
   return floor;
 }

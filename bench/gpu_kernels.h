@@ -36,8 +36,9 @@ CopyFloor measure_peer_copy(int source_device, int destination_device, size_t by
 enum class PeerTransfer { kStores, kCopyEngine };
 
 // Both devices send `bytes` into the other's memory at once: the NVLink bandwidth each direction
-// reaches while the other direction is busy too (as in an all-reduce). A CUDA graph of `nodes`
-// transfers on each device, device a's replays timed; us per transfer, median of `replays`.
+// reaches while the other direction is busy too (as in an all-reduce). `nodes` transfers on each
+// device per replay (SM stores: a CUDA graph of them; peer copies cannot be captured, so they
+// are enqueued directly), device a's replays timed; us per transfer, median of `replays`.
 CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerTransfer transfer,
                                  int nodes, int replays);
 

@@ -14,6 +14,8 @@
 # were measured with), else the system's. The device copy has no .git: pass the commit in
 # TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
 # TEST_REGEX narrows the tests (ctest -R). BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
+# SANITIZE_TOOLS, SANITIZE_TESTS (oneshot, qknorm) and SANITIZE_TIMEOUT narrow the sanitizer.
+# experiments: EXPERIMENTS (environment settings, one bench run each) and EXPERIMENT_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on shared hosts (see README): never remove these.
@@ -63,7 +65,7 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*'
   qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits'
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    for test in oneshot qknorm; do
+    for test in ${SANITIZE_TESTS:-oneshot qknorm}; do
       filter=$oneshot_filter
       [ $test = qknorm ] && filter=$qk_filter
       # One log for all runs: the device tool returns at most 8 files.
@@ -71,7 +73,7 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
       echo "=== compute-sanitizer --tool $tool test_${test}_gpu" >>"$log"
       # API errors are not kernel errors: NCCL's initialization probes kernels of other
       # architectures and the teams tolerate peer access already being enabled.
-      timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
+      timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 \
         "$BUILD/tests/test_${test}_gpu" --gtest_filter="$filter" >"$OUT/sanitizer-run.log" 2>&1
       rc=$?
       cat "$OUT/sanitizer-run.log" >>"$log"
@@ -89,16 +91,19 @@ if [[ " $STEPS " == *" bench "* ]]; then
 fi
 if [[ " $STEPS " == *" experiments "* ]]; then
   step experiments
-  # Timing experiments: tpfuse-bench once per value of an environment knob the library reads
-  # (EXPERIMENT_VAR, e.g. TPFUSE_QK_EXPERIMENT) over EXPERIMENT_VALUES, same binary, back to back;
-  # logs and JSON per value in experiments.tgz.
+  # Timing experiments: tpfuse-bench once per entry of EXPERIMENTS, each an environment setting
+  # the library reads (e.g. "TPFUSE_QK_EXPERIMENT=1"; "base" for none), same binary, back to
+  # back, EXPERIMENT_ARGS narrowing the run; logs and JSON per entry in experiments.tgz.
   mkdir -p "$OUT/experiments"
-  for value in ${EXPERIMENT_VALUES:-0}; do
-    env "${EXPERIMENT_VAR:-TPFUSE_EXPERIMENT}=$value" TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} \
-      "$BUILD/bench/tpfuse-bench" --out "$OUT/experiments/$value.json" ${EXPERIMENT_ARGS:-} \
-      >"$OUT/experiments/$value.log" 2>&1 || status=1
-    echo "${EXPERIMENT_VAR:-TPFUSE_EXPERIMENT}=$value:"
-    grep -E "^qk norm" "$OUT/experiments/$value.log" | sed 's/^/  /'
+  for setting in ${EXPERIMENTS:-base}; do
+    name=${setting//=/-}
+    assignment=()
+    [ "$setting" = base ] || assignment=("$setting")
+    env "${assignment[@]}" TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} \
+      "$BUILD/bench/tpfuse-bench" --out "$OUT/experiments/$name.json" ${EXPERIMENT_ARGS:-} \
+      >"$OUT/experiments/$name.log" 2>&1 || status=1
+    echo "$setting:"
+    grep -E "^(qk norm|hidden)" "$OUT/experiments/$name.log" | sed 's/^/  /'
   done
   (cd "$OUT" && tar czf experiments.tgz --remove-files experiments)
 fi

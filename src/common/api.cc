@@ -203,6 +203,11 @@ OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& a
   params.world_size = team.world_size;
   params.packet_bytes = team.packet_bytes;
   params.timeout_ns = team.timeout_ns;
+  static const int experiment = [] {
+    const char* value = std::getenv("TPFUSE_ROWS_EXPERIMENT");
+    return value != nullptr ? std::atoi(value) : 0;
+  }();
+  params.experiment = experiment;
   return params;
 }
 

@@ -76,6 +76,9 @@ struct OneShotParams {
   int64_t hidden;
   float eps;
   uint64_t timeout_ns;
+  // TEMPORARY timing experiment (TPFUSE_ROWS_EXPERIMENT, read once): bit 0 consumes the arrival
+  // atomic's result at once (the old order) instead of at the end of the kernel.
+  int experiment;
 };
 
 // The team side of a Lamport exchange (what the QK-norm launch needs beside its tensors).
@@ -112,9 +115,9 @@ struct QkNormParams {
   const int64_t* positions;
   const float* cos_sin_cache;
   float* sums;  // local halves only: [tokens, 2] written (sum pass) or read (norm pass)
-  // TEMPORARY timing experiment (TPFUSE_QK_EXPERIMENT, read once): bit 0 skips the rotation
-  // math, bit 1 skips the cos/sin loads, bit 2 loads cos/sin before the send, bit 3 arrives from
-  // thread 32. Outputs are wrong with bits 0-1 set; 0 (the default) is the real kernel.
+  // TEMPORARY timing experiment (TPFUSE_QK_EXPERIMENT, read once), each bit the old order of one
+  // change: bit 0 arrives from thread 0 (not warp 1), bit 1 loads cos/sin after the send (not
+  // before it), bit 2 loads cos/sin one float at a time (not in 16-byte vectors).
   int experiment;
 };
 

@@ -5,14 +5,15 @@
 //   [before griddepcontrol.wait]  nothing that reads or writes memory.
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
 //      thread loads its q / k vectors of its block's first token and, for RoPE in registers,
-//      that token's position (the latencies overlap).
+//      that token's position, then its cos / sin values (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot.
-//   3. the gamma vectors and, for RoPE in registers, the cos / sin values are loaded (their
-//      latency overlaps the packets' flight); arrival (the last block advances the slot
-//      index), launch_dependents, clear the previous call's slot but this rank's own region: as
-//      the add + RMSNorm one-shot kernel (oneshot.cu says why it is safe).
+//   3. the gamma vectors are loaded (their latency overlaps the packets' flight); arrival by a
+//      thread of the second warp, so that thread 0 polls without waiting for the atomic's round
+//      trip (the last block advances the slot index), launch_dependents, clear the previous
+//      call's slot but this rank's own region: as the add + RMSNorm one-shot kernel (oneshot.cu
+//      says why it is safe).
 //   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
 //      same bits on every rank; its own packet is one this thread stored in step 2), computes
 //      both scales and shares them; each thread normalizes its vectors (still in registers
@@ -92,29 +93,44 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   float sin_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
   const auto load_rope_registers = [&](int64_t position) {
     if constexpr (kRopeRegisters) {
-      if (p.experiment & 2) {
-#pragma unroll
-        for (int i = 0; i < kVecsPerThread; ++i) {
-#pragma unroll
-          for (int e = 0; e < kElements; ++e) {
-            cos_lanes[i][e] = 1.0f;
-            sin_lanes[i][e] = float(position & 1);
-          }
-        }
-        return;
-      }
       const float* row_cos_sin = p.cos_sin_cache + position * p.rotary_dim;
+      const bool neox = p.rope == 1;
+      // 16-byte loads where the rows, the sin half and the runs all start on 16 bytes.
+      const bool vector_loads = !(p.experiment & 4) &&
+                                reinterpret_cast<uintptr_t>(p.cos_sin_cache) % 16 == 0 &&
+                                p.rotary_dim % 8 == 0;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int j0 = head_offset[i];
         if (vector_of(i) >= vectors || j0 >= p.rotary_dim) continue;
+        // neox: element j pairs with j +- half and uses index j mod half; interleaved: the pair
+        // (2m, 2m + 1) uses index m. Either way this vector's indices are one run from `start`:
+        // kElements of them (neox) or kElements / 2 (interleaved), never past `half`
+        // (rope_in_registers admits no vector that straddles a rotary half).
+        const int start = neox ? (j0 < half ? j0 : j0 - half) : j0 / 2;
+        const int run = neox ? kElements : kElements / 2;
+        float run_cos[kElements], run_sin[kElements];
+        if (kElements % 4 == 0 && vector_loads && start % 4 == 0) {
+#pragma unroll
+          for (int k = 0; k < kElements; k += 4) {
+            if (k >= run) break;
+            const float4 c = *reinterpret_cast<const float4*>(row_cos_sin + start + k);
+            const float4 s = *reinterpret_cast<const float4*>(row_cos_sin + half + start + k);
+            run_cos[k] = c.x, run_cos[k + 1] = c.y, run_cos[k + 2] = c.z, run_cos[k + 3] = c.w;
+            run_sin[k] = s.x, run_sin[k + 1] = s.y, run_sin[k + 2] = s.z, run_sin[k + 3] = s.w;
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kElements; ++k) {
+            if (k >= run) break;
+            run_cos[k] = row_cos_sin[start + k];
+            run_sin[k] = row_cos_sin[half + start + k];
+          }
+        }
 #pragma unroll
         for (int e = 0; e < kElements; ++e) {
-          // neox: element j pairs with j +- half and uses index j mod half; interleaved: the
-          // pair (2m, 2m + 1) uses index m.
-          const int index = p.rope == 1 ? (j0 < half ? j0 + e : j0 - half + e) : (j0 + e) / 2;
-          cos_lanes[i][e] = row_cos_sin[index];
-          sin_lanes[i][e] = row_cos_sin[half + index];
+          cos_lanes[i][e] = neox ? run_cos[e] : run_cos[e / 2];
+          sin_lanes[i][e] = neox ? run_sin[e] : run_sin[e / 2];
         }
       }
     }
@@ -126,10 +142,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   // 1. Thread 0 reads the control block while every thread loads its vectors of the block's
   // first token (every block has at least one: the grid is at most `tokens` blocks) and, for
   // RoPE in registers, that token's position: the latencies overlap, and the first block sum's
-  // barrier publishes what thread 0 read. What only the epilogue needs (the gamma vectors, the
-  // cos/sin values) is loaded after the send, while the packets are in flight: issued here, a
-  // load the sums do not need could still hold them up (the compiler may wait for a group of
-  // loads at once).
+  // barrier publishes what thread 0 read. The gamma vectors, which only the epilogue needs, are
+  // loaded after the send, while the packets are in flight: issued here, a load the sums do not
+  // need could still hold them up (the compiler may wait for a group of loads at once). The
+  // cos/sin values are the exception: they wait for the position, a second load latency, which
+  // after the send was not hidden by the packets' flight (0.1 us slower, measured).
   CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
     state = read_call_state(control);
@@ -139,7 +156,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   load_values(blockIdx.x, values);
   int64_t first_position = 0;
   if constexpr (kRopeRegisters) first_position = p.positions[blockIdx.x];
-  if (p.experiment & 4) load_rope_registers(first_position);
+  // The first token's cos/sin as soon as its position is in: their latency then overlaps the
+  // block sum, the send and the packets' flight.
+  const bool rope_early = !(p.experiment & 2);
+  if (rope_early) load_rope_registers(first_position);
 
   // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
   // peers time out too.
@@ -184,10 +204,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     if (c >= vectors) continue;
     gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
   }
-  if (!(p.experiment & 4)) load_rope_registers(first_position);
+  if (!rope_early) load_rope_registers(first_position);
 
-  // 3. Arrival, trigger, clear.
-  const unsigned arriver = (p.experiment & 8) && blockDim.x > 32 ? 32u : 0u;
+  // 3. Arrival (by a thread of the second warp where there is one: thread 0, which polls, then
+  // need not wait for the atomic's round trip), trigger, clear.
+  const unsigned arriver = !(p.experiment & 1) && blockDim.x > 32 ? 32u : 0u;
   if (kFused && threadIdx.x == arriver) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
@@ -273,7 +294,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int j0 = head_offset[i];
-        const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim && !(p.experiment & 1);
+        const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim;
         if (p.rope == 1) {
           // neox: the partner vector is half / kElements vectors away, on that lane; every lane
           // of the warp takes part in the shuffle.
