@@ -92,7 +92,7 @@ fi
 if [[ " $STEPS " == *" experiments "* ]]; then
   step experiments
   # Timing experiments: tpfuse-bench once per entry of EXPERIMENTS, each an environment setting
-  # the library reads (e.g. "TPFUSE_QK_EXPERIMENT=1"; "base" for none), same binary, back to
+  # the library reads (e.g. "TPFUSE_DISABLE_PDL=1"; "base" for none), same binary, back to
   # back, EXPERIMENT_ARGS narrowing the run; logs and JSON per entry in experiments.tgz.
   mkdir -p "$OUT/experiments"
   for setting in ${EXPERIMENTS:-base}; do

@@ -2,7 +2,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <sstream>
 
@@ -203,11 +202,6 @@ OneShotParams make_oneshot_params(const TeamState& team, const AddRmsNormArgs& a
   params.world_size = team.world_size;
   params.packet_bytes = team.packet_bytes;
   params.timeout_ns = team.timeout_ns;
-  static const int experiment = [] {
-    const char* value = std::getenv("TPFUSE_ROWS_EXPERIMENT");
-    return value != nullptr ? std::atoi(value) : 0;
-  }();
-  params.experiment = experiment;
   return params;
 }
 
@@ -255,11 +249,6 @@ QkNormParams make_qk_local_params(const QkNormArgs& args) {
   params.rotary_dim = args.rotary_dim;
   params.positions = args.positions;
   params.cos_sin_cache = args.cos_sin_cache;
-  static const int experiment = [] {
-    const char* value = std::getenv("TPFUSE_QK_EXPERIMENT");
-    return value != nullptr ? std::atoi(value) : 0;
-  }();
-  params.experiment = experiment;
   return params;
 }
 

@@ -76,9 +76,6 @@ struct OneShotParams {
   int64_t hidden;
   float eps;
   uint64_t timeout_ns;
-  // TEMPORARY timing experiment (TPFUSE_ROWS_EXPERIMENT, read once): bit 0 consumes the arrival
-  // atomic's result at once (the old order) instead of at the end of the kernel.
-  int experiment;
 };
 
 // The team side of a Lamport exchange (what the QK-norm launch needs beside its tensors).
@@ -115,10 +112,6 @@ struct QkNormParams {
   const int64_t* positions;
   const float* cos_sin_cache;
   float* sums;  // local halves only: [tokens, 2] written (sum pass) or read (norm pass)
-  // TEMPORARY timing experiment (TPFUSE_QK_EXPERIMENT, read once), each bit the old order of one
-  // change: bit 0 arrives from thread 0 (not warp 1), bit 1 loads cos/sin after the send (not
-  // before it), bit 2 loads cos/sin one float at a time (not in 16-byte vectors).
-  int experiment;
 };
 
 enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };

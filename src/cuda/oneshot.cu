@@ -13,8 +13,7 @@
 //      from its input in step 6: it never goes through its slot).
 //   3. arrival: thread 0 counts its block in; the last block to arrive resets the count and
 //      advances the slot index (every block has read it by then), and records this call's
-//      packet bytes for slot k%3, so call k+1 knows what to clear. That last part runs at the
-//      end of the kernel, so that thread 0 polls without waiting for the atomic's result.
+//      packet bytes for slot k%3, so call k+1 knows what to clear.
 //   4. launch_dependents: the next kernel may be scheduled now. It cannot disturb us: every
 //      tpfuse kernel waits (griddepcontrol.wait waits for this whole grid to complete and
 //      flush) before it touches the slot index or any slot. And since the trigger takes effect only
@@ -91,15 +90,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     }
   }
 
-  // 3. Arrival (the last block's part at the end: arrive_begin says why).
-  // (The byte count is recomputed from the parameters where it is needed: nothing more stays
-  // live across the receive loop.)
-  const auto call_bytes = [&] { return uint64_t(p.tokens * p.hidden) * sizeof(T); };
-  uint32_t arrived = 0;
-  if (threadIdx.x == 0) {
-    arrived = arrive_begin(control);
-    if (p.experiment & 1) arrive_end(control, arrived, slot, call_bytes());
-  }
+  // 3. Arrival.
+  if (threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens * p.hidden) * sizeof(T));
 
   // 4.
   launch_dependents();
@@ -126,7 +118,6 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
     finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                              NoSend{});
   }
-  if (threadIdx.x == 0 && !(p.experiment & 1)) arrive_end(control, arrived, slot, call_bytes());
 }
 
 // The local epilogue (no collective): kAddRmsNorm or kRmsNorm of one rank's input.

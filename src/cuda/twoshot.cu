@@ -8,9 +8,8 @@
 //   2. scatter: each block stores input rows (sentinel words rewritten) into the slot of the
 //      rank that owns their token, sender index `rank`, rows [0, per); rows this rank owns stay
 //      in its input (a rank's own rows never go through its slot).
-//   3. arrival (the last block advances the slot index, at the end of the kernel),
-//      launch_dependents, clear the previous call's slot: as in one-shot, for the same reasons
-//      (src/cuda/oneshot.cu).
+//   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
+//      call's slot: as in one-shot, for the same reasons (src/cuda/oneshot.cu).
 //   4. owned rows: poll the other senders' rows, sum them and this rank's input row in rank
 //      order in fp32, residual add, one
 //      rounding (canonical zeros), residual_out and norm_out; each rounded vector also goes to
@@ -77,12 +76,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   }
 
   // 3.
-  const auto call_bytes = [&] { return layout.sender_bytes(row_bytes); };
-  uint32_t arrived = 0;
-  if (threadIdx.x == 0) {
-    arrived = arrive_begin(control);
-    if (p.experiment & 1) arrive_end(control, arrived, slot, call_bytes());
-  }
+  if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
   launch_dependents();
   clear_slot(p.workspace[p.rank], slot_to_clear(slot), state.clear_bytes, world, p.packet_bytes,
              p.rank);
@@ -140,7 +134,6 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
     finish_row<T, kVecsPerThread, kGathered>(acc, no_residual, gamma, p, token, vectors,
                                              shared_sums, NoSend{});
   }
-  if (threadIdx.x == 0 && !(p.experiment & 1)) arrive_end(control, arrived, slot, call_bytes());
 }
 
 }  // namespace
