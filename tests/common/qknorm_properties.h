@@ -26,6 +26,9 @@ struct QkSpec {
   bool in_place = false;
   RopeStyle rope = RopeStyle::kNone;
   int64_t rotary_dim = 64;
+  // Where the cos/sin cache starts past its allocation, in floats: 1 makes it 4-byte aligned but
+  // not 16-byte aligned (a view into a larger tensor), which the GPU kernel's vector loads avoid.
+  int64_t cache_offset = 0;
   float eps = 1e-6f;
   int64_t q_size() const { return heads * head_dim; }
   int64_t kv_size() const { return kv_heads * head_dim; }
@@ -48,7 +51,8 @@ inline std::string describe(const QkSpec& s) {
   out << dtype_name(s.dtype) << " tokens=" << s.tokens << " heads=" << s.heads
       << " kv_heads=" << s.kv_heads << " head_dim=" << s.head_dim
       << " kv_replicas=" << s.kv_replicas << (s.in_place ? " in_place" : "")
-      << " rope=" << int(s.rope) << " rotary_dim=" << s.rotary_dim;
+      << " rope=" << int(s.rope) << " rotary_dim=" << s.rotary_dim
+      << (s.cache_offset != 0 ? " cache_offset=" + std::to_string(s.cache_offset) : "");
   return out.str();
 }
 
@@ -124,7 +128,10 @@ inline std::vector<QkBuffers> upload_qk(Harness& h, const QkSpec& s, const QkDat
     b[r].positions = b[r].cos_sin = nullptr;
     if (s.rope != RopeStyle::kNone) {
       b[r].positions = copy(r, d.positions.data(), d.positions.size() * 8);
-      b[r].cos_sin = copy(r, d.cos_sin.data(), d.cos_sin.size() * 4);
+      const size_t offset = size_t(s.cache_offset) * 4;
+      char* cache = static_cast<char*>(h.allocate(r, d.cos_sin.size() * 4 + offset)) + offset;
+      h.upload(r, cache, d.cos_sin.data(), d.cos_sin.size() * 4);
+      b[r].cos_sin = cache;
     }
   }
   return b;
@@ -307,6 +314,33 @@ inline void check_qk_random_cases(Harness& h, uint64_t seed, int cases) {
     const QkData d = random_qk_data(rng, s, h.world_size());
     expect_qk_correct(s, d, run_qk(h, s, d), h.world_size());
     if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// A cos/sin cache that is 4-byte but not 16-byte aligned (a view into a larger tensor): the
+// RoPE must not change (on GPUs it takes the one-float-at-a-time loads), at MiniMax-M2's shapes
+// for this world size, both styles, 16-bit and fp32, in place and not.
+inline void check_qk_unaligned_cache(Harness& h, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int world = h.world_size();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (RopeStyle rope : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      for (int64_t offset : {0, 1, 3}) {
+        QkSpec s;
+        s.dtype = dtype;
+        s.heads = std::max(1, 48 / world);
+        s.kv_heads = std::max(1, 8 / world);
+        s.kv_replicas = world > 8 ? world / 8 : 1;
+        s.rope = rope;
+        s.tokens = 5;
+        s.in_place = offset == 1;
+        s.cache_offset = offset;
+        if (dtype == DType::kFloat32) s.heads = std::min<int64_t>(s.heads, 8);
+        const QkData d = random_qk_data(rng, s, world);
+        expect_qk_correct(s, d, run_qk(h, s, d), world);
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
   }
 }
 

@@ -41,6 +41,11 @@ TEST_P(CpuQkNorm, LocalHalvesGiveTheFusedBits) {
   check_qk_halves_match_fused(harness, 350 + GetParam());
 }
 
+TEST_P(CpuQkNorm, UnalignedCosSinCache) {
+  CpuHarness harness(GetParam());
+  check_qk_unaligned_cache(harness, 390 + GetParam());
+}
+
 TEST_P(CpuQkNorm, InterleavedWithAddRmsNormOnOneTeam) {
   CpuHarness harness(GetParam());
   check_ops_interleaved(harness, 380 + GetParam(), 60);

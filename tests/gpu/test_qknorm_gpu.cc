@@ -40,6 +40,11 @@ TEST_F(GpuQkNorm, ZerosNaNAndInfinities) {
   check_qk_adversarial(harness, 502);
 }
 
+TEST_F(GpuQkNorm, UnalignedCosSinCache) {
+  CudaHarness harness(gpus());
+  check_qk_unaligned_cache(harness, 506);
+}
+
 TEST_F(GpuQkNorm, InterleavedWithAddRmsNormOnOneTeam) {
   CudaHarness harness(gpus());
   check_ops_interleaved(harness, 590, 80);
