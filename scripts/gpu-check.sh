@@ -110,11 +110,12 @@ fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile
   # Nsight Compute on the QK-norm kernels of a one-GPU run (a team of one: no peer, so ncu's
-  # kernel replay cannot stall on another GPU), with and without RoPE: duration and the warps'
-  # stall reasons. Clocks are left alone (--clock-control none).
+  # kernel replay cannot stall on another GPU), with and without RoPE: duration, issue rate and
+  # the dominant stall (the CLI prints no per-reason table: for that, export a report with
+  # --export and open it in Nsight Compute). Clocks are left alone (--clock-control none).
   timeout 240 ncu --clock-control none --kernel-name regex:qk_rmsnorm_kernel \
     --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section SpeedOfLight \
-    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    --section WarpStateStats --section SchedulerStats \
     "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden 6144 \
     --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
     >"$OUT/ncu-qk.txt" 2>&1
