@@ -5,9 +5,9 @@
 #   OUT=/tmp/out STEPS="build test sanitize bench experiments profile python e2e" scripts/gpu-check.sh
 #
 # python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
-# passes under CUDA graphs) and bench/torch_host_overhead.py. e2e: the end-to-end decode
-# benchmark (bench/e2e/decode.py; E2E_ARGS narrows it). profile: Nsight Compute on the QK-norm
-# kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
+# passes under CUDA graphs), bench/torch_host_overhead.py and bench/torch_qk_baseline.py. e2e:
+# the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it). profile: Nsight
+# Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -144,6 +144,9 @@ if [[ " $STEPS " == *" python "* ]]; then
     fi
   done
   timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
+    tee -a "$OUT/python.log" || status=1
+  # The QK norm from torch: the torch-eager unfused pattern against the fused op (issue 3).
+  timeout 200 python3 bench/torch_qk_baseline.py --out "$OUT/torch_qk.json" 2>&1 |
     tee -a "$OUT/python.log" || status=1
 fi
 if [[ " $STEPS " == *" e2e "* ]]; then

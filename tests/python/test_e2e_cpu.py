@@ -1,7 +1,8 @@
 """The end-to-end decode benchmark (bench/e2e) on the CPU backend: a tiny MiniMax-M2-shaped
 model at world 1 runs every CPU mode; the compiled model's passes find every site of a layer
 (two add + RMSNorm, the QK norm, its RoPE); the fused modes' logits stay close to the unfused
-model's. The GPU run (one process per GPU, CUDA graphs) is the benchmark itself."""
+model's. The GPU run (one process per GPU, CUDA graphs) is the benchmark itself. Also the QK
+norm's torch-eager baseline (bench/torch_qk_baseline.py) in its CPU smoke form."""
 
 import json
 import os
@@ -13,6 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", 
 
 import decode  # noqa: E402
 import determinism  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+import torch_qk_baseline  # noqa: E402
 
 
 class EndToEndOnCpu(unittest.TestCase):
@@ -93,6 +97,23 @@ class Summary(unittest.TestCase):
         self.assertAlmostEqual(summary["tpfuse"]["collective_share_per_layer"], 1 - 0.2 / 0.25)
         for mode in ("local", "tpfuse_local", "compiled"):  # no floor of its own
             self.assertNotIn("collective_share_per_layer", summary[mode])
+
+
+class QkBaselineOnCpu(unittest.TestCase):
+    def test_the_torch_eager_qk_norm_and_the_fused_op_agree_and_are_timed(self):
+        out = os.path.join(tempfile.mkdtemp(), "qk.json")
+        status = torch_qk_baseline.main(["--cpu", "--tokens", "1,3", "--calls", "2", "--out", out])
+        self.assertEqual(status, 0)
+        with open(out) as file:
+            records = json.load(file)["records"]
+        impls = {"nccl+torch_eager", "nccl+torch_eager_rope", "tpfuse", "tpfuse_rope"}
+        for tokens in (1, 3):
+            rows = {r["impl"]: r for r in records if r["tokens"] == tokens}
+            self.assertEqual(set(rows), impls)
+            for r in rows.values():
+                self.assertGreater(r["us"], 0.0)
+                # The same QK norm (and RoPE) in two roundings: within a few bf16 steps.
+                self.assertLess(r["rel_err_vs_other"], 1e-2, r)
 
 
 if __name__ == "__main__":
