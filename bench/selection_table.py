@@ -1,0 +1,151 @@
+"""Selection-table rows (data/algorithms.csv) from a tpfuse-bench results file: for each GPU and
+world size in it, the fastest of one-shot, two-shot and NCCL (+ the local fused kernel) at every
+measured message size of allreduce_add_rmsnorm, as first-match rows with the measurements in a
+comment above them.
+
+    python3 bench/selection_table.py bench/results/<run>.json            # prints the rows
+    python3 bench/selection_table.py <run>.json --merge data/algorithms.csv
+        # prints that table with the run's (GPU, world size) rows replaced or added
+
+Rules: message bytes = tokens x hidden x element size; a point's winner is the fastest algorithm
+measured there, except that one within `--tie` (default 2%) of the fastest earlier algorithm in
+the order one-shot, two-shot, NCCL loses to it (the simpler one; noise does not flip a choice);
+consecutive points with the same winner make one row, whose max_bytes is the largest of them
+(sizes between two measured points go to the next point's winner); past the largest measured
+size, NCCL ("not measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections import defaultdict
+
+ALGORITHMS = ("oneshot", "twoshot", "nccl")  # the order ties are broken in
+IMPLS = {"tpfuse_oneshot": "oneshot", "tpfuse_twoshot": "twoshot", "tpfuse_nccl": "nccl"}
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+HEADER = "device,world_size,max_bytes,algorithm"
+
+
+def measurements(records):
+    """{(gpu, world): {bytes: {algorithm: us}}} of the fused op's forced algorithms (several
+    widths giving one size: their mean)."""
+    samples = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in records:
+        if r.get("op") != "allreduce_add_rmsnorm" or r.get("impl") not in IMPLS:
+            continue
+        if r.get("backend", "cuda") != "cuda":
+            continue
+        size = int(r["tokens"]) * int(r["hidden"]) * ELEMENT_BYTES[r.get("dtype", "bf16")]
+        samples[(r["gpu"], int(r["world_size"]))][size][IMPLS[r["impl"]]].append(float(r["us"]))
+    return {group: {size: {a: sum(v) / len(v) for a, v in by_algorithm.items()}
+                    for size, by_algorithm in sizes.items()}
+            for group, sizes in samples.items()}
+
+
+def winner(times, tie):
+    best = min(times.values())
+    for algorithm in ALGORITHMS:
+        if algorithm in times and times[algorithm] <= best * (1 + tie):
+            return algorithm
+    raise ValueError("no algorithm measured")  # unreachable: times is not empty
+
+
+def rows(sizes, tie=0.02):
+    """[(max_bytes, algorithm)] for one GPU and world size; max_bytes None means no bound."""
+    runs = []
+    for size in sorted(sizes):
+        algorithm = winner(sizes[size], tie)
+        if runs and runs[-1][1] == algorithm:
+            runs[-1][0] = size
+        else:
+            runs.append([size, algorithm])
+    if runs and runs[-1][1] == "nccl":
+        runs[-1][0] = None
+    else:
+        runs.append([None, "nccl"])
+    return [tuple(run) for run in runs]
+
+
+def note(records, gpu, world, sizes, source):
+    """The comment block above a group's rows: where the figures come from, and the figures."""
+    first = next(r for r in records if r.get("gpu") == gpu and int(r.get("world_size", 0)) == world
+                 and r.get("op") == "allreduce_add_rmsnorm")
+    text = (f"{gpu}, {world} ranks, driver {first.get('driver', '?')}, CUDA "
+            f"{first.get('cuda', '?')}, NCCL {first.get('nccl', '?')}, commit "
+            f"{first.get('commit', '?')}, {first.get('date', '?')[:10]}, "
+            f"{first.get('method', '?')} ({source}), us per op (nccl: NCCL all-reduce + the "
+            "local fused kernel):")
+    lines = ["# " + line for line in textwrap.wrap(text, 96)]
+    lines.append("#   bytes      " + "  ".join(f"{a:>8}" for a in ALGORITHMS))
+    for size in sorted(sizes):
+        cells = [f"{sizes[size][a]:8.2f}" if a in sizes[size] else f"{'-':>8}"
+                 for a in ALGORITHMS]
+        lines.append(f"#   {size:<10} " + "  ".join(cells))
+    lines.append("# Rows by bench/selection_table.py; past the largest size measured: NCCL.")
+    return lines
+
+
+def table_rows(gpu, world, group_rows):
+    return [f"{gpu},{world},{'inf' if max_bytes is None else max_bytes},{algorithm}"
+            for max_bytes, algorithm in group_rows]
+
+
+def merge(table_text, blocks):
+    """`table_text` with every row of the groups in `blocks` removed, with the comment block
+    just above them, and `blocks` ({(gpu, world): lines}) inserted right after the CSV header,
+    ahead of other rows (first match wins: a new GPU's rows must not sit behind a wildcard
+    row). The comments above the header (the table's own description) stay."""
+    lines = table_text.splitlines()
+    header_at = next((i for i, line in enumerate(lines) if line.strip() == HEADER), None)
+    if header_at is None:
+        raise ValueError(f"the table has no header line '{HEADER}'")
+    kept, pending_comments = [], []
+    for line in lines[header_at + 1:]:
+        if line.startswith("#") or not line.strip():
+            pending_comments.append(line)
+            continue
+        fields = [f.strip() for f in line.split(",")]
+        if (fields[0], int(fields[1]) if fields[1] != "*" else fields[1]) in blocks:
+            pending_comments = []  # the comment block above a replaced group's rows goes too
+            continue
+        kept.extend(pending_comments + [line])
+        pending_comments = []
+    kept.extend(pending_comments)
+    top = lines[:header_at]
+    inserted = [line for block in blocks.values() for line in block]
+    return "\n".join(top + [lines[header_at]] + inserted + kept) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", help="tpfuse-bench results JSON")
+    parser.add_argument("--merge", help="a selection table to print with these rows merged in")
+    parser.add_argument("--tie", type=float, default=0.02,
+                        help="relative margin within which the simpler algorithm wins")
+    args = parser.parse_args(argv)
+    with open(args.results) as file:
+        records = json.load(file)
+    groups = measurements(records)
+    if not groups:
+        print(f"{args.results}: no GPU allreduce_add_rmsnorm records with forced algorithms",
+              file=sys.stderr)
+        return 1
+    blocks = {}
+    for (gpu, world), sizes in sorted(groups.items()):
+        blocks[(gpu, world)] = (note(records, gpu, world, sizes, args.results)
+                                + table_rows(gpu, world, rows(sizes, args.tie)))
+    if args.merge:
+        with open(args.merge) as file:
+            sys.stdout.write(merge(file.read(), blocks))
+    else:
+        print(HEADER)
+        for block in blocks.values():
+            print("\n".join(block))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""bench/selection_table.py: the committed selection table is what the tool derives from the run
+it names, and the tool's rules (fastest per size, ties to the simpler algorithm, runs merged,
+NCCL past the measured sizes, merging a new GPU's rows ahead of the wildcard rows)."""
+
+import os
+import re
+import sys
+import tempfile
+import unittest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import selection_table  # noqa: E402
+
+
+def record(gpu, world, tokens, impl, us, hidden=1024, dtype="bf16"):
+    return {"op": "allreduce_add_rmsnorm", "impl": impl, "gpu": gpu, "world_size": world,
+            "tokens": tokens, "hidden": hidden, "dtype": dtype, "us": us, "backend": "cuda",
+            "driver": "1", "cuda": "13.0", "nccl": "2.28", "commit": "abc", "date": "2026-01-01",
+            "method": "graphs"}
+
+
+def data_rows(text):
+    return [line for line in text.splitlines()
+            if line and not line.startswith("#") and line != selection_table.HEADER]
+
+
+class SelectionTable(unittest.TestCase):
+    def test_the_committed_table_is_derived_from_the_run_it_names(self):
+        with open(os.path.join(ROOT, "data", "algorithms.csv")) as file:
+            table = file.read()
+        named = re.search(r"\((bench/results/[^)]+\.json)\)", table.replace("\n# ", " "))
+        self.assertIsNotNone(named, "the table names no results file")
+        import json
+
+        with open(os.path.join(ROOT, named.group(1))) as file:
+            records = json.load(file)
+        sizes = selection_table.measurements(records)[("NVIDIA H200", 2)]
+        derived = selection_table.table_rows("NVIDIA H200", 2, selection_table.rows(sizes))
+        committed = [row for row in data_rows(table) if row.startswith("NVIDIA H200,2,")]
+        self.assertEqual(committed, derived)
+
+    def test_fastest_per_size_ties_to_the_simpler_runs_merged_nccl_beyond(self):
+        records = []
+        # tokens: one-shot fastest, then within 1% of two-shot (a tie: one-shot), then two-shot,
+        # then one-shot cannot carry it and two-shot wins, then NCCL wins.
+        for tokens, one, two, nccl in ((1, 3.0, 4.0, 8.0), (16, 5.0, 4.96, 9.0),
+                                       (256, 9.0, 8.0, 20.0), (1024, None, 20.0, 40.0),
+                                       (4096, None, 90.0, 80.0)):
+            for impl, us in (("tpfuse_oneshot", one), ("tpfuse_twoshot", two),
+                             ("tpfuse_nccl", nccl)):
+                if us is not None:
+                    records.append(record("GPU X", 4, tokens, impl, us))
+        records.append(record("GPU X", 4, 1, "tpfuse_auto", 1.0))  # not a forced algorithm
+        sizes = selection_table.measurements(records)[("GPU X", 4)]
+        self.assertEqual(selection_table.rows(sizes),
+                         [(16 * 2048, "oneshot"), (1024 * 2048, "twoshot"), (None, "nccl")])
+        # With NCCL never fastest, a last row still sends what was not measured to NCCL.
+        self.assertEqual(selection_table.rows({100: {"oneshot": 1.0}}),
+                         [(100, "oneshot"), (None, "nccl")])
+
+    def test_merge_replaces_a_groups_rows_and_puts_new_ones_ahead_of_wildcards(self):
+        table = "\n".join([
+            "# the table's description", selection_table.HEADER,
+            "# old note for GPU X, 4 ranks", "GPU X,4,100,oneshot", "GPU X,4,inf,nccl",
+            "# another GPU", "GPU Y,2,inf,twoshot",
+            "# defaults", "*,*,1048576,oneshot", "*,*,inf,nccl"]) + "\n"
+        merged = selection_table.merge(table, {("GPU X", 4): ["# new note", "GPU X,4,inf,nccl"],
+                                               ("GPU Z", 8): ["GPU Z,8,5,oneshot"]})
+        self.assertEqual(data_rows(merged), ["GPU X,4,inf,nccl", "GPU Z,8,5,oneshot",
+                                             "GPU Y,2,inf,twoshot", "*,*,1048576,oneshot",
+                                             "*,*,inf,nccl"])
+        self.assertNotIn("old note", merged)
+        self.assertIn("# new note", merged)
+        self.assertIn("# another GPU", merged)
+        self.assertTrue(merged.startswith("# the table's description\n"))
+
+    def test_the_command_prints_rows_and_refuses_a_file_without_them(self):
+        import json
+
+        path = os.path.join(tempfile.mkdtemp(), "run.json")
+        with open(path, "w") as file:
+            json.dump([record("GPU X", 2, 1, "tpfuse_oneshot", 3.0)], file)
+        self.assertEqual(selection_table.main([path]), 0)
+        with open(path, "w") as file:
+            json.dump([{"op": "floor", "impl": "nvlink_one_way", "us": 0.7}], file)
+        self.assertEqual(selection_table.main([path]), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
