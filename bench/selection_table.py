@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", help="tpfuse-bench results JSON")
     parser.add_argument("--merge", help="a selection table to print with these rows merged in")
+    parser.add_argument("--source", help="the results file's name in the note (default: as "
+                        "given; name it as committed under bench/results/)")
     parser.add_argument("--tie", type=float, default=0.02,
                         help="relative margin within which the simpler algorithm wins")
     args = parser.parse_args(argv)
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
         return 1
     blocks = {}
     for (gpu, world), sizes in sorted(groups.items()):
-        blocks[(gpu, world)] = (note(records, gpu, world, sizes, args.results)
+        blocks[(gpu, world)] = (note(records, gpu, world, sizes, args.source or args.results)
                                 + table_rows(gpu, world, rows(sizes, args.tie)))
     if args.merge:
         with open(args.merge) as file:

@@ -89,7 +89,8 @@ if [[ " $STEPS " == *" bench "* ]]; then
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
   python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
   # The selection table with this machine's measured rows merged in (a new GPU or world size:
-  # commit it as data/algorithms.csv with the results it names).
+  # commit it as data/algorithms.csv with the results, and fix the note's file name to theirs,
+  # or rerun bench/selection_table.py with --source).
   python3 bench/selection_table.py "$OUT/bench.json" --merge data/algorithms.csv \
     >"$OUT/algorithms.csv" 2>>"$OUT/bench.log" || echo "selection table failed"
 fi
