@@ -47,10 +47,7 @@ def measurements(records):
 
 def winner(times, tie):
     best = min(times.values())
-    for algorithm in ALGORITHMS:
-        if algorithm in times and times[algorithm] <= best * (1 + tie):
-            return algorithm
-    raise ValueError("no algorithm measured")  # unreachable: times is not empty
+    return next(a for a in ALGORITHMS if a in times and times[a] <= best * (1 + tie))
 
 
 def rows(sizes, tie=0.02):

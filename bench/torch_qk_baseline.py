@@ -16,12 +16,10 @@ comparison, and wall time per call (no graphs; smoke figures only).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import traceback
 from types import SimpleNamespace
 
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e"))
 
-from decode import _commit, _driver, _qk_norm_unfused  # noqa: E402
+from decode import _qk_norm_unfused, init_rank, run_info, run_ranks  # noqa: E402
 from model import relative_error, rope  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, EPS, MAX_POSITION = 48, 8, 128, 64, 1e-6, 4096
@@ -139,23 +137,14 @@ def _time_wall(call, calls: int) -> float:
 
 def _rank_main(rank, world, args, store_path, queue):
     try:
-        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                            ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(name, value)
         import torch.distributed as dist
 
         import tpfuse
 
+        device = init_rank(rank, world, args.cpu, store_path)
         if args.cpu:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                                    world_size=world)
             (team,) = tpfuse.cpu_team(1)
         else:
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-            dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
-                                    world_size=world, device_id=device)
             team = tpfuse.Team.from_group(dist.group.WORLD)
         records = []
         for tokens in args.tokens:
@@ -201,32 +190,13 @@ def main(argv=None) -> int:
             print("needs two or more CUDA GPUs (or --cpu for the smoke run)", file=sys.stderr)
             return 2
         world = args.world or torch.cuda.device_count()
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    processes = [context.Process(target=_rank_main, args=(r, world, args, store, queue))
-                 for r in range(world)]
-    for process in processes:
-        process.start()
-    results = [queue.get() for _ in processes]
-    for process in processes:
-        process.join(timeout=60)
-    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
-    if errors:
-        print("\n".join(errors), file=sys.stderr)
+    records = run_ranks(_rank_main, world, args)
+    if records is None:
         return 1
-    records = next(records for rank, records, _ in results if rank == 0)
-    info = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "nccl": "" if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
-            "driver": "" if args.cpu else _driver(), "commit": _commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "world_size": world,
-            "method": ("wall time per eager call, CPU smoke run" if args.cpu else
-                       f"CUDA graph of {args.ops} calls, median of {args.replays} replays, "
-                       "us per call, rank 0")}
+    info = dict(run_info(args.cpu, world),
+                method=("wall time per eager call, CPU smoke run" if args.cpu else
+                        f"CUDA graph of {args.ops} calls, median of {args.replays} replays, "
+                        "us per call, rank 0"))
     for r in records:
         print(f"{r['impl']:>22} tokens {r['tokens']:>5}: {r['us']:9.2f} us "
               f"(q/k vs the other form: {r['rel_err_vs_other']:.1e})")

@@ -556,22 +556,67 @@ def print_summary(summary):
               f"{fmt('forced_nccl_top2_margin_max_where_differs', '7.3f')}")
 
 
+def init_rank(rank, world, cpu, store_path):
+    """One spawned rank's process group (gloo on the CPU, else NCCL on GPU `rank`), with NVLink
+    multicast kept off; returns the rank's device."""
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)
+    import torch.distributed as dist
+
+    if cpu:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world)
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
+                            world_size=world, device_id=device)
+    return device
+
+
+def run_ranks(rank_main, world, args):
+    """Runs rank_main(rank, world, args, store_path, queue) in `world` spawned processes; each
+    puts (rank, records, error text or None) on the queue. Returns rank 0's records, or None
+    after printing every rank's error."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    processes = [context.Process(target=rank_main, args=(r, world, args, store, queue))
+                 for r in range(world)]
+    for process in processes:
+        process.start()
+    results = [queue.get() for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return None
+    return next(records for rank, records, _ in results if rank == 0)
+
+
+def run_info(cpu, world):
+    """What a results file records of the machine and the code."""
+    return {
+        "device": torch.cuda.get_device_name(0) if not cpu else "cpu",
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if not cpu else "",
+        "cuda": torch.version.cuda or "",
+        "driver": _driver() if not cpu else "",
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "world_size": world,
+    }
+
+
 def _rank_main(rank, world, args, store_path, queue):
     try:
-        for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                            ("NVSHMEM_DISABLE_NVLS", "1")):
-            os.environ.setdefault(name, value)
         import torch.distributed as dist
 
-        if args.cpu:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                                    world_size=world)
-        else:
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-            dist.init_process_group("nccl", store=dist.FileStore(store_path, world), rank=rank,
-                                    world_size=world, device_id=device)
+        device = init_rank(rank, world, args.cpu, store_path)
         torch._inductor.config.force_disable_caches = True
         if args.sdpa != "default":
             # One attention backend only (the default lets torch choose per call).
@@ -624,34 +669,10 @@ def main(argv=None):
             print("no CUDA GPUs: run with --cpu for the CPU smoke run", file=sys.stderr)
             return 2
         world = args.world or torch.cuda.device_count()
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    processes = [context.Process(target=_rank_main, args=(r, world, args, store, queue))
-                 for r in range(world)]
-    for process in processes:
-        process.start()
-    results = [queue.get() for _ in processes]
-    for process in processes:
-        process.join(timeout=60)
-    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
-    if errors:
-        print("\n".join(errors), file=sys.stderr)
+    records = run_ranks(_rank_main, world, args)
+    if records is None:
         return 1
-    records = next(records for rank, records, _ in results if rank == 0)
-    info = {
-        "device": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
-        "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if not args.cpu else "",
-        "cuda": torch.version.cuda or "",
-        "driver": _driver() if not args.cpu else "",
-        "commit": _commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "world_size": world,
-        "sdpa": args.sdpa,
-    }
+    info = dict(run_info(args.cpu, world), sdpa=args.sdpa)
     summary = summarize(records)
     print_summary(summary)
     if args.out:
