@@ -8,7 +8,7 @@
 //      that token's position, then its cos / sin values (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
-//      rank's slot.
+//      rank's slot. A block with several tokens loads the next token's vectors first.
 //   3. the gamma vectors are loaded (their latency overlaps the packets' flight); arrival by a
 //      thread of the second warp, so that thread 0 polls without waiting for the atomic's round
 //      trip (the last block advances the slot index), launch_dependents, clear the previous
@@ -17,7 +17,8 @@
 //   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
 //      same bits on every rank; its own packet is one this thread stored in step 2), computes
 //      both scales and shares them; each thread normalizes its vectors (still in registers
-//      when the block has one token); RoPE (RopePath below) rotates them, in registers with the
+//      when the block has one token; else reloaded, the next token's while this one is
+//      finished); RoPE (RopePath below) rotates them, in registers with the
 //      neox partner from another lane of the warp, or through shared memory for layouts where
 //      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   constexpr bool kRopeShared = kRope == RopePath::kShared;
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
+  constexpr bool kPrefetch = kVecsPerThread <= 2;
   ControlBlock* const control = p.exchange.control;
   const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
   const int rank = p.exchange.rank;
@@ -80,6 +82,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       const int64_t c = vector_of(i);
       if (c < vectors) values[i] = load_vector(p.qkv, (token * row) / kElements + c);
     }
+  };
+  const auto copy_vectors = [](const Vec16* from, Vec16(&to)[kVecsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) to[i] = from[i];
   };
   // kRegisters: where each of this thread's vectors starts in its head (token-independent), and
   // its elements' cos and sin for a token's position.
@@ -110,7 +116,9 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
         // (rope_in_registers admits no vector that straddles a rotary half).
         const int start = neox ? (j0 < half ? j0 : j0 - half) : j0 / 2;
         const int run = neox ? kElements : kElements / 2;
-        float run_cos[kElements], run_sin[kElements];
+        // Zero-filled: the interleaved style fills only the first half of a run, and the select
+        // below names both arms (no indeterminate value read; ptxas: same register count).
+        float run_cos[kElements] = {}, run_sin[kElements] = {};
         if (kElements % 4 == 0 && vector_loads && start % 4 == 0) {
 #pragma unroll
           for (int k = 0; k < kElements; k += 4) {
@@ -162,10 +170,19 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   load_rope_registers(first_position);
 
   // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
-  // peers time out too.
+  // peers time out too. A block with several tokens (more tokens than resident blocks) loads
+  // its next token's vectors before it reduces this one's: a load in flight during every block
+  // sum, not one latency per token. Only for rows of one or two vectors a thread: wider rows
+  // would spill the second set of registers.
+  Vec16 next[kPrefetch ? kVecsPerThread : 1];
   for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
        token += gridDim.x) {
-    if (token != blockIdx.x) load_values(token, values);
+    if constexpr (kPrefetch) {
+      if (token != blockIdx.x) copy_vectors(next, values);
+      if (token + gridDim.x < p.tokens) load_values(token + gridDim.x, next);
+    } else if (token != blockIdx.x) {
+      load_values(token, values);
+    }
     float2 sums = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
@@ -220,8 +237,15 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   const bool first_token_held = kPass == QkPass::kNormFromSums || gridDim.x >= p.tokens;
   const char* slot_base =
       p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
+  if (!first_token_held) load_values(blockIdx.x, values);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    if (token != blockIdx.x || !first_token_held) load_values(token, values);
+    // As in step 2: the next token's vectors load while this one is polled and finished.
+    if constexpr (kPrefetch) {
+      if (token != blockIdx.x) copy_vectors(next, values);
+      if (token + gridDim.x < p.tokens) load_values(token + gridDim.x, next);
+    } else if (token != blockIdx.x) {
+      load_values(token, values);
+    }
     if (token != blockIdx.x) load_rope_registers(kRopeRegisters ? p.positions[token] : 0);
     if constexpr (kRopeShared) {
       // The position's cos/sin row, loaded while the packets are in flight; the barrier after

@@ -50,18 +50,26 @@ TEST_F(GpuQkNorm, InterleavedWithAddRmsNormOnOneTeam) {
   check_ops_interleaved(harness, 590, 80);
 }
 
+// MiniMax-M2's heads in bf16 (one vector a thread), the same in fp32 (two: the kernel loads a
+// token ahead) and twice the query heads in fp32 (four: it does not); 2048 tokens is more than
+// the grid's resident blocks, so blocks take several tokens each.
 TEST_F(GpuQkNorm, MiniMaxShapesManyTokens) {
   CudaHarness harness(gpus());
   std::mt19937_64 rng(503);
-  for (int64_t tokens : {1, 64, 2048}) {
-    for (RopeStyle rope : {RopeStyle::kNone, RopeStyle::kNeox, RopeStyle::kInterleaved}) {
-      QkSpec s;
-      s.heads = 48 / harness.world_size();
-      s.kv_heads = std::max(1, 8 / harness.world_size());
-      s.rope = rope;
-      s.tokens = tokens;
-      const QkData d = random_qk_data(rng, s, harness.world_size());
-      expect_qk_correct(s, d, run_qk(harness, s, d), harness.world_size());
+  const std::pair<DType, int> layouts[] = {
+      {DType::kBFloat16, 48}, {DType::kFloat32, 48}, {DType::kFloat32, 96}};
+  for (const auto& [dtype, heads] : layouts) {
+    for (int64_t tokens : {1, 64, 2048}) {
+      for (RopeStyle rope : {RopeStyle::kNone, RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+        QkSpec s;
+        s.dtype = dtype;
+        s.heads = heads / harness.world_size();
+        s.kv_heads = std::max(1, 8 / harness.world_size());
+        s.rope = rope;
+        s.tokens = tokens;
+        const QkData d = random_qk_data(rng, s, harness.world_size());
+        expect_qk_correct(s, d, run_qk(harness, s, d), harness.world_size());
+      }
     }
   }
 }
