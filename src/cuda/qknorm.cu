@@ -409,7 +409,7 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
             // The grid is at most what is resident at once (blocks wait on peers). Launches with
             // more than twice as many tokens as resident blocks take the kernel that loads a
             // token ahead, where it exists. At MiniMax-M2's TP-2 shapes, with up to two tokens
-            // a block it measured 0.1-0.2 us slower (its larger register set fits fewer
+            // a block it measured 0.1-0.3 us slower (its larger register set fits fewer
             // blocks), at 2.6 the same, from 3.9 on faster (16% at 4096 tokens).
             const auto resident = [&](auto kernel) {
               return team.multiprocessors *
