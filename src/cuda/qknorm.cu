@@ -93,15 +93,19 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     for (int i = 0; i < kVecsPerThread; ++i) to[i] = from[i];
   };
   // kRegisters: where each of this thread's vectors starts in its head (token-independent), and
-  // its elements' cos and sin for a token's position.
+  // the run of cos and sin values its elements use for a token's position: element e's are run
+  // entry e (neox) or e / 2 (interleaved). Nothing reads the loaded values before the rotation,
+  // so the loads do not hold up the sums and the send: mapped to elements right after the
+  // loads, by a select on the style, they made every thread wait for them (and for the
+  // position load before them) ahead of the block sum.
   const int half = int(p.rotary_dim / 2);
   int head_offset[kVecsPerThread];
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     head_offset[i] = kRopeRegisters ? int((vector_of(i) * kElements) % p.head_dim) : 0;
   }
-  float cos_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
-  float sin_lanes[kRopeRegisters ? kVecsPerThread : 1][kElements];
+  float cos_run[kRopeRegisters ? kVecsPerThread : 1][kElements];
+  float sin_run[kRopeRegisters ? kVecsPerThread : 1][kElements];
   const auto load_rope_registers = [&](int64_t position) {
     if constexpr (kRopeRegisters) {
       const float* row_cos_sin = p.cos_sin_cache + position * p.rotary_dim;
@@ -119,11 +123,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
         // (2m, 2m + 1) uses index m. Either way this vector's indices are one run from `start`:
         // kElements of them (neox) or kElements / 2 (interleaved), never past `half`
         // (rope_in_registers admits no vector that straddles a rotary half).
+        // The interleaved style fills the first half of the run only, and reads no more.
         const int start = neox ? (j0 < half ? j0 : j0 - half) : j0 / 2;
         const int run = neox ? kElements : kElements / 2;
-        // Zero-filled: the interleaved style fills only the first half of a run, and the select
-        // below names both arms (no indeterminate value read; ptxas: same register count).
-        float run_cos[kElements] = {}, run_sin[kElements] = {};
+        float(&run_cos)[kElements] = cos_run[i];
+        float(&run_sin)[kElements] = sin_run[i];
         if (kElements % 4 == 0 && vector_loads && start % 4 == 0) {
 #pragma unroll
           for (int k = 0; k < kElements; k += 4) {
@@ -140,11 +144,6 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
             run_cos[k] = row_cos_sin[start + k];
             run_sin[k] = row_cos_sin[half + start + k];
           }
-        }
-#pragma unroll
-        for (int e = 0; e < kElements; ++e) {
-          cos_lanes[i][e] = neox ? run_cos[e] : run_cos[e / 2];
-          sin_lanes[i][e] = neox ? run_sin[e] : run_sin[e / 2];
         }
       }
     }
@@ -331,14 +330,14 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
           for (int e = 0; e < kElements; ++e) {
             const float partner = __shfl_sync(0xffffffffu, lanes[i][e], source);
             if (rotary)
-              lanes[i][e] = rotate(lanes[i][e], partner, cos_lanes[i][e], sin_lanes[i][e], first);
+              lanes[i][e] = rotate(lanes[i][e], partner, cos_run[i][e], sin_run[i][e], first);
           }
         } else if (rotary) {
 #pragma unroll
           for (int e = 0; e < kElements; e += 2) {
             const float x0 = lanes[i][e], x1 = lanes[i][e + 1];
-            lanes[i][e] = rotate(x0, x1, cos_lanes[i][e], sin_lanes[i][e], true);
-            lanes[i][e + 1] = rotate(x1, x0, cos_lanes[i][e], sin_lanes[i][e], false);
+            lanes[i][e] = rotate(x0, x1, cos_run[i][e / 2], sin_run[i][e / 2], true);
+            lanes[i][e + 1] = rotate(x1, x0, cos_run[i][e / 2], sin_run[i][e / 2], false);
           }
         }
       }
