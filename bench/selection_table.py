@@ -116,6 +116,22 @@ def merge(table_text, blocks):
     return "\n".join(top + [lines[header_at]] + inserted + kept) + "\n"
 
 
+def narrowed(table_text, groups):
+    """[(gpu, world, measured, committed)] for each group whose committed rows name a bounded
+    message size larger than the run measured: merged, those sizes would go to NCCL (the rule
+    past the largest measured size), whatever the committed rows chose."""
+    reach = {}
+    for line in table_text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if line.startswith("#") or len(fields) != 4 or not fields[2].isdigit():
+            continue
+        key = (fields[0], int(fields[1]) if fields[1].isdigit() else fields[1])
+        reach[key] = max(reach.get(key, 0), int(fields[2]))
+    return [(gpu, world, max(sizes), reach[(gpu, world)])
+            for (gpu, world), sizes in sorted(groups.items())
+            if reach.get((gpu, world), 0) > max(sizes)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", help="tpfuse-bench results JSON")
@@ -138,7 +154,12 @@ def main(argv=None) -> int:
                                 + table_rows(gpu, world, rows(sizes, args.tie)))
     if args.merge:
         with open(args.merge) as file:
-            sys.stdout.write(merge(file.read(), blocks))
+            table_text = file.read()
+        for gpu, world, measured, committed in narrowed(table_text, groups):
+            print(f"warning: {gpu}, {world} ranks: this run measured messages up to {measured} "
+                  f"bytes; the rows it replaces chose for up to {committed}. Merged, larger "
+                  "messages go to NCCL: rerun with larger --tokens to keep them.", file=sys.stderr)
+        sys.stdout.write(merge(table_text, blocks))
     else:
         print(HEADER)
         for block in blocks.values():

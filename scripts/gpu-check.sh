@@ -90,9 +90,12 @@ if [[ " $STEPS " == *" bench "* ]]; then
   python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
   # The selection table with this machine's measured rows merged in (a new GPU or world size:
   # commit it as data/algorithms.csv with the results, and fix the note's file name to theirs,
-  # or rerun bench/selection_table.py with --source).
+  # or rerun bench/selection_table.py with --source). Its warnings (a run that measured less far
+  # than the rows it replaces) are printed here as well as logged.
   python3 bench/selection_table.py "$OUT/bench.json" --merge data/algorithms.csv \
-    >"$OUT/algorithms.csv" 2>>"$OUT/bench.log" || echo "selection table failed"
+    >"$OUT/algorithms.csv" 2>"$OUT/selection.log" || echo "selection table failed"
+  cat "$OUT/selection.log" | tee -a "$OUT/bench.log"
+  rm -f "$OUT/selection.log"
 fi
 if [[ " $STEPS " == *" experiments "* ]]; then
   step experiments

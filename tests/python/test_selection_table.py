@@ -76,6 +76,15 @@ class SelectionTable(unittest.TestCase):
         self.assertIn("# another GPU", merged)
         self.assertTrue(merged.startswith("# the table's description\n"))
 
+    def test_a_run_narrower_than_the_rows_it_replaces_is_named(self):
+        table = "\n".join([selection_table.HEADER, "GPU X,4,100,oneshot", "GPU X,4,400,twoshot",
+                           "GPU X,4,inf,nccl", "GPU Y,2,inf,nccl"]) + "\n"
+        narrow = {("GPU X", 4): {50: {"oneshot": 1.0}, 200: {"twoshot": 1.0}},
+                  ("GPU Y", 2): {10: {"oneshot": 1.0}}}
+        self.assertEqual(selection_table.narrowed(table, narrow), [("GPU X", 4, 200, 400)])
+        wide = {("GPU X", 4): {50: {"oneshot": 1.0}, 400: {"twoshot": 1.0}}}
+        self.assertEqual(selection_table.narrowed(table, wide), [])
+
     def test_the_command_prints_rows_and_refuses_a_file_without_them(self):
         import json
 
