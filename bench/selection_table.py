@@ -90,6 +90,14 @@ def table_rows(gpu, world, group_rows):
             for max_bytes, algorithm in group_rows]
 
 
+def parse_row(line):
+    """((device, world size), max_bytes) of a table row; world "*" stays a string, max_bytes
+    "inf" is None."""
+    device, world, max_bytes, _ = [f.strip() for f in line.split(",")]
+    return ((device, world if world == "*" else int(world)),
+            None if max_bytes == "inf" else int(max_bytes))
+
+
 def merge(table_text, blocks):
     """`table_text` with every row of the groups in `blocks` removed, with the comment block
     just above them, and `blocks` ({(gpu, world): lines}) inserted right after the CSV header,
@@ -104,8 +112,7 @@ def merge(table_text, blocks):
         if line.startswith("#") or not line.strip():
             pending_comments.append(line)
             continue
-        fields = [f.strip() for f in line.split(",")]
-        if (fields[0], int(fields[1]) if fields[1] != "*" else fields[1]) in blocks:
+        if parse_row(line)[0] in blocks:
             pending_comments = []  # the comment block above a replaced group's rows goes too
             continue
         kept.extend(pending_comments + [line])
@@ -122,11 +129,11 @@ def narrowed(table_text, groups):
     past the largest measured size), whatever the committed rows chose."""
     reach = {}
     for line in table_text.splitlines():
-        fields = [f.strip() for f in line.split(",")]
-        if line.startswith("#") or len(fields) != 4 or not fields[2].isdigit():
+        if line.startswith("#") or not line.strip() or line.strip() == HEADER:
             continue
-        key = (fields[0], int(fields[1]) if fields[1].isdigit() else fields[1])
-        reach[key] = max(reach.get(key, 0), int(fields[2]))
+        key, max_bytes = parse_row(line)
+        if max_bytes is not None:
+            reach[key] = max(reach.get(key, 0), max_bytes)
     return [(gpu, world, max(sizes), reach[(gpu, world)])
             for (gpu, world), sizes in sorted(groups.items())
             if reach.get((gpu, world), 0) > max(sizes)]

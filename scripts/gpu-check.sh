@@ -94,7 +94,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   # than the rows it replaces) are printed here as well as logged.
   python3 bench/selection_table.py "$OUT/bench.json" --merge data/algorithms.csv \
     >"$OUT/algorithms.csv" 2>"$OUT/selection.log" || echo "selection table failed"
-  cat "$OUT/selection.log" | tee -a "$OUT/bench.log"
+  tee -a "$OUT/bench.log" <"$OUT/selection.log"
   rm -f "$OUT/selection.log"
 fi
 if [[ " $STEPS " == *" experiments "* ]]; then

@@ -8,7 +8,8 @@
 //      that token's position, then its cos / sin values (the latencies overlap).
 //   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
-//      rank's slot. A block with several tokens loads the next token's vectors first.
+//      rank's slot. kLoadAhead: a block with several tokens loads the next token's vectors
+//      first.
 //   3. the gamma vectors are loaded (their latency overlaps the packets' flight); arrival by a
 //      thread of the second warp, so that thread 0 polls without waiting for the atomic's round
 //      trip (the last block advances the slot index), launch_dependents, clear the previous
@@ -17,8 +18,8 @@
 //   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
 //      same bits on every rank; its own packet is one this thread stored in step 2), computes
 //      both scales and shares them; each thread normalizes its vectors (still in registers
-//      when the block has one token; else reloaded, the next token's while this one is
-//      finished); RoPE (RopePath below) rotates them, in registers with the
+//      when the block has one token; else reloaded, with kLoadAhead the next token's while
+//      this one is finished); RoPE (RopePath below) rotates them, in registers with the
 //      neox partner from another lane of the warp, or through shared memory for layouts where
 //      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
@@ -52,10 +53,10 @@ RopePath rope_path(const QkNormParams& p, int elements, int vecs_per_thread) {
 // kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to
 // p.sums instead of sending them; kNormFromSums skips steps 2-3 and takes the global sums from
 // p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
-// kLoadAhead (launches with more tokens than blocks, one or two vectors a thread): a block
-// loads its next token's vectors while it works on the current one. A separate instantiation:
-// compiled into the one-token-per-block kernel, the second set of registers and the loop's
-// extra bookkeeping cost it 0.1 us (RoPE: 0.17) at 1-256 tokens, measured.
+// kLoadAhead (launches with several tokens a block, one or two vectors a thread; the host
+// picks it): a block loads its next token's vectors while it works on the current one. A separate
+// instantiation: compiled into the one-token-per-block kernel, the second set of registers and the
+// loop's extra bookkeeping cost it 0.1 us (RoPE: 0.17) at 1-256 tokens, measured.
 template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, QkPass kPass,
           bool kLoadAhead = false>
 __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormParams p) {
@@ -409,7 +410,7 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
             // more than twice as many tokens as resident blocks take the kernel that loads a
             // token ahead, where it exists. At MiniMax-M2's TP-2 shapes, with up to two tokens
             // a block it measured 0.1-0.3 us slower (its larger register set fits fewer
-            // blocks), at 2.6 the same, from 3.9 on faster (16% at 4096 tokens).
+            // blocks), at 2.6 the same, from 3.9 on faster (15% at 4096 tokens).
             const auto resident = [&](auto kernel) {
               return team.multiprocessors *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, shared_bytes);
