@@ -178,14 +178,18 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   // peers time out too. kLoadAhead: the next token's vectors are loaded before this one's are
   // reduced, a load in flight during every block sum instead of one latency per token.
   Vec16 next[kLoadAhead ? kVecsPerThread : 1];
-  for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
-       token += gridDim.x) {
+  // `values` for the block's token `token` (the first is loaded before the loop).
+  const auto take_token = [&](int64_t token) {
     if constexpr (kLoadAhead) {
       if (token != blockIdx.x) copy_vectors(next, values);
       if (token + gridDim.x < p.tokens) load_values(token + gridDim.x, next);
     } else if (token != blockIdx.x) {
       load_values(token, values);
     }
+  };
+  for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
+       token += gridDim.x) {
+    take_token(token);
     float2 sums = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
@@ -242,13 +246,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
   if (!first_token_held) load_values(blockIdx.x, values);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    // As in step 2: the next token's vectors load while this one is polled and finished.
-    if constexpr (kLoadAhead) {
-      if (token != blockIdx.x) copy_vectors(next, values);
-      if (token + gridDim.x < p.tokens) load_values(token + gridDim.x, next);
-    } else if (token != blockIdx.x) {
-      load_values(token, values);
-    }
+    take_token(token);  // with kLoadAhead, the next one's load while this one is finished
     if (token != blockIdx.x) load_rope_registers(kRopeRegisters ? p.positions[token] : 0);
     if constexpr (kRopeShared) {
       // The position's cos/sin row, loaded while the packets are in flight; the barrier after
