@@ -39,9 +39,9 @@
 #include <vector>
 
 #include "bench.h"
-#include "common/error.h"
+#include "core/error.h"
 #if TPFUSE_BENCH_NCCL
-#include "common/nccl_types.h"
+#include "cuda/nccl_types.h"
 #endif
 #include "gpu_kernels.h"
 

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "tpfuse/limits.h"
+
 // Same declarations as the CUDA runtime's and NCCL's, so this header compiles without them.
 typedef struct CUstream_st* cudaStream_t;
 typedef struct ncclComm* ncclComm_t;
@@ -38,16 +40,6 @@ class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
-// Largest team the kernels support; world sizes 2, 4 and 8 are specialized at compile time.
-constexpr int kMaxWorldSize = 16;
-// Widths: hidden must be a multiple of kHiddenMultiple elements and at most kMaxHidden.
-constexpr int64_t kHiddenMultiple = 8;
-constexpr int64_t kMaxHidden = 16384;
-// QK norm: this rank's q_size + kv_size at most kMaxQkWidth 16-bit elements (half as many fp32),
-// and at most kMaxQkRopeWidth with RoPE.
-constexpr int64_t kMaxQkWidth = 32768;
-constexpr int64_t kMaxQkRopeWidth = 12288;
 
 // How a call moves data. Every algorithm sums each element over the ranks in fp32 in rank order
 // 0..W-1 where it can; one-shot and two-shot round once and give the same bits for a token
@@ -216,6 +208,11 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 bool cuda_available();
 int cuda_device_count();
 
+// The weight an RMSNorm applies: gamma, or 1 + gamma in fp32 (Gemma's and Qwen3-Next's form, whose
+// stored weight is centered on zero).
+enum class NormWeight : int { kGamma = 0, kOnePlusGamma = 1 };
+const char* norm_weight_name(NormWeight weight);
+
 struct AddRmsNormArgs {
   const void* input = nullptr;     // [tokens, hidden] this rank's partial sum
   const void* residual = nullptr;  // [tokens, hidden] or nullptr: no residual
@@ -226,11 +223,13 @@ struct AddRmsNormArgs {
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;
   float eps = 1e-6f;
+  NormWeight norm_weight = NormWeight::kGamma;
   Algorithm algorithm = Algorithm::kAuto;  // forced algorithm, or kAuto (Team::choose)
 };
 
 // residual_out = allreduce(input) + residual (or just the sum without a residual);
-// norm_out = residual_out * rsqrt(mean(residual_out^2) + eps) * gamma, with the norm computed
+// norm_out = residual_out * rsqrt(mean(residual_out^2) + eps) * gamma (or * (1 + gamma), see
+// NormWeight), with the norm computed
 // from residual_out as stored (rounded to dtype), so norm_out equals what an unfused RMSNorm of
 // residual_out gives within its own rounding. Outputs may alias input or residual exactly (in
 // place); partial overlaps are rejected. For the CUDA backend pointers are device pointers of

@@ -20,6 +20,7 @@ torch.ops.load_library(library_path())
 
 from .ops import (  # noqa: E402  (the library must be loaded first)
     ALGORITHMS,
+    NormWeight,
     RopeStyle,
     allreduce,
     allreduce_add_rmsnorm,
@@ -30,6 +31,7 @@ from .team import Team, cpu_team, cuda_team  # noqa: E402
 
 __all__ = [
     "ALGORITHMS",
+    "NormWeight",
     "RopeStyle",
     "Team",
     "allreduce",

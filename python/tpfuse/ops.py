@@ -12,6 +12,14 @@ from .team import Team
 ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2, "nccl": 3}
 
 
+class NormWeight(enum.IntEnum):
+    """The weight the RMSNorm applies: gamma, or 1 + gamma in fp32 (Gemma's and Qwen3-Next's
+    zero-centered weight)."""
+
+    GAMMA = 0
+    ONE_PLUS_GAMMA = 1
+
+
 class RopeStyle(enum.IntEnum):
     NONE = 0
     NEOX = 1  # rotate-half, as MiniMax-M2
@@ -37,11 +45,12 @@ def allreduce_add_rmsnorm(
     weight: torch.Tensor,
     eps: float,
     algorithm: Union[str, int] = "auto",
+    norm_weight: int = NormWeight.GAMMA,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm_out, residual_out): residual_out = all-reduce(input) + residual (fp32, rank order,
-    one rounding), norm_out = rmsnorm(residual_out) * weight."""
+    one rounding), norm_out = rmsnorm(residual_out) * weight (or * (1 + weight), norm_weight)."""
     return torch.ops.tpfuse.allreduce_add_rmsnorm(
-        _handle(team), input, residual, weight, eps, _algorithm(algorithm)
+        _handle(team), input, residual, weight, eps, _algorithm(algorithm), int(norm_weight)
     )
 
 
@@ -52,11 +61,12 @@ def allreduce_add_rmsnorm_(
     weight: torch.Tensor,
     eps: float,
     algorithm: Union[str, int] = "auto",
+    norm_weight: int = NormWeight.GAMMA,
 ) -> None:
     """In place, as engines' fused add + RMSNorm: residual <- all-reduce(input) + residual,
-    input <- rmsnorm(residual) * weight."""
+    input <- rmsnorm(residual) * weight (or * (1 + weight), norm_weight)."""
     torch.ops.tpfuse.allreduce_add_rmsnorm_(
-        _handle(team), input, residual, weight, eps, _algorithm(algorithm)
+        _handle(team), input, residual, weight, eps, _algorithm(algorithm), int(norm_weight)
     )
 
 

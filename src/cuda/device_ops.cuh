@@ -1,5 +1,6 @@
-// Device primitives of the one-shot protocol: packet stores and polls, PDL, block reduction.
-// Each memory-ordering choice says why it is enough.
+// Device primitives of the Lamport protocol: packet stores and polls, PDL, block reduction, and
+// the GPU's Coop for the call session (tpfuse/impl/session.h). Each memory-ordering choice says
+// why it is enough.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +8,7 @@
 #include <cstdint>
 
 #include "tpfuse/impl/lamport.h"
+#include "tpfuse/impl/session.h"
 
 namespace tpfuse::impl {
 
@@ -14,7 +16,7 @@ namespace tpfuse::impl {
 // NVLink now rather than sitting in L1, and is not merged or reordered away by the compiler. No
 // release is needed: the packet is its own flag (a receiver consumes exactly the words it saw
 // change from the sentinel) and nothing else is published with it. (Measured on an H200 pair:
-// plain weak stores time the same, 3.40 us at 1 token either way.)
+// plain weak stores time the same.)
 __device__ __forceinline__ void store_packet(Vec16* address, const Vec16& v) {
   asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(v.word[0]),
                "r"(v.word[1]), "r"(v.word[2]), "r"(v.word[3])
@@ -142,59 +144,39 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t 
   }
 }
 
-// What a call needs from its rank's control block: the slot it uses, the bytes per sender the
-// slot before it received (to clear), and whether the team has failed.
-struct CallState {
-  uint32_t slot;
-  uint32_t failed;
-  uint64_t clear_bytes;
+// The session's Coop on the GPU: a participant is a block (one of its threads arrives), the
+// clear is spread over the whole grid.
+struct GridCoop {
+  // Volatile: the writer was a previous grid, complete and flushed (griddepcontrol.wait), and L1
+  // must not serve an older copy.
+  __device__ __forceinline__ static uint32_t load(const uint32_t* word) {
+    return *reinterpret_cast<const volatile uint32_t*>(word);
+  }
+  __device__ __forceinline__ static uint64_t load(const uint64_t* word) {
+    return *reinterpret_cast<const volatile uint64_t*>(word);
+  }
+  // Plain: the next call reads the control block after its own griddepcontrol.wait, when this
+  // grid has completed and its memory is visible.
+  __device__ __forceinline__ static void store(uint32_t* word, uint32_t value) { *word = value; }
+  __device__ __forceinline__ static void store(uint64_t* word, uint64_t value) { *word = value; }
+  __device__ __forceinline__ static uint32_t add_arrival(uint32_t* count) {
+    return atomicAdd(count, 1u);
+  }
+  __device__ __forceinline__ static uint32_t participants() { return gridDim.x; }
+  __device__ __forceinline__ static int64_t thread_index() {
+    return int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  }
+  __device__ __forceinline__ static int64_t thread_count() {
+    return int64_t(gridDim.x) * blockDim.x;
+  }
+  // Plain: the slot is next polled two calls (two kernel boundaries) later, and a peer stores
+  // into it only after it has seen a packet this rank sends later.
+  __device__ __forceinline__ static void store_sentinel(Vec16* address) {
+    *address = sentinel_vector();
+  }
 };
 
-// Thread 0's read of the control block at the start of a call (after griddepcontrol.wait).
-// Volatile loads: the writer was a previous grid, complete and flushed (the wait), and L1 must
-// not serve an older copy.
-__device__ __forceinline__ CallState read_call_state(const ControlBlock* control) {
-  CallState state;
-  state.slot = *reinterpret_cast<const volatile uint32_t*>(&control->slot);
-  state.failed = *reinterpret_cast<const volatile uint32_t*>(&control->error);
-  state.clear_bytes =
-      *reinterpret_cast<const volatile uint64_t*>(&control->slot_bytes[slot_to_clear(state.slot)]);
-  return state;
-}
-
-// The last block of a call to arrive advances the slot index (every block read it before it
-// arrived) and records the bytes each sender stored into this call's slot, which the next call
-// clears. Called by one thread of each block, after the block has read the call state (thread 0
-// in the row kernels; a thread of the second warp in the QK kernel, whose thread 0 polls: there
-// the atomic's round trip measured 0.2 us on the critical path. In the row kernels, where every
-// thread polls its own vectors, consuming the result at the end of the kernel measured the same).
-__device__ __forceinline__ void arrive(ControlBlock* control, uint32_t slot, uint64_t bytes) {
-  const uint32_t arrived = atomicAdd(&control->arrivals, 1u);
-  if (arrived == gridDim.x - 1) {
-    control->arrivals = 0;
-    control->slot_bytes[slot] = bytes;
-    control->slot = next_slot(slot);
-  }
-}
-
-// Re-fills slot `clear_slot` of this rank's workspace, `clear_bytes` per sender, with the
-// sentinel, spread over the whole grid. Plain stores suffice: the slot is next polled two calls
-// (two kernel boundaries) later, and a peer stores into it only after it has seen a packet this
-// rank sends later. This rank's own sender region (`rank`) is left as it is: nothing reads a word
-// of it that the same call did not store (tpfuse/impl/lamport.h).
-__device__ __forceinline__ void clear_slot(char* workspace, uint32_t clear_slot,
-                                           uint64_t clear_bytes, int world, size_t packet_bytes,
-                                           int rank) {
-  const int64_t per_sender = int64_t(clear_bytes / 16);
-  const int64_t total = per_sender * (world - 1);
-  char* base = workspace + packet_offset(clear_slot, 0, world, packet_bytes);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t region = i / per_sender;
-    const int64_t sender = region >= rank ? region + 1 : region;
-    reinterpret_cast<Vec16*>(base + sender * packet_bytes)[i - region * per_sender] =
-        sentinel_vector();
-  }
-}
+template <int kWorldSize>
+using GpuSession = LamportSession<GridCoop, kWorldSize>;
 
 }  // namespace tpfuse::impl

@@ -10,7 +10,7 @@
 #include <tuple>
 #include <utility>
 
-#include "common/error.h"
+#include "core/error.h"
 #include "tpfuse/impl/dispatch.h"
 
 namespace tpfuse::impl {

@@ -1,7 +1,7 @@
-// The Lamport one-shot fused all-reduce kernel and the local fused add + RMSNorm kernel.
+// The Lamport one-shot fused all-reduce kernel.
 //
-// Protocol: tpfuse/impl/lamport.h tells what is stored where and why no barrier is needed.
-// This kernel, one launch per call and rank:
+// Protocol: tpfuse/impl/lamport.h tells what is stored where and why no barrier is needed; the
+// call's steps are a session (tpfuse/impl/session.h). This kernel, one launch per call and rank:
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory: only registers from the
 //                                 kernel parameters. The previous kernel in the stream (another
@@ -37,29 +37,20 @@
 // another order and may differ from the GPU in the last bit of the norm.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <map>
-#include <mutex>
-#include <utility>
-
-#include "common/error.h"
-#include "common/team_state.h"
+#include "core/calls.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/row_launch.cuh"
 #include "cuda/rows.cuh"
-#include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 
 namespace tpfuse::impl {
 namespace {
 
-template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParams p) {
+template <typename T, int kWorldSize, typename Epilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
   constexpr int kElements = Packed<T>::kElements;
-  constexpr bool kNorm = kEpilogue != Epilogue::kSum;
-  constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
-  ControlBlock* const control = p.control;
-  const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
 
@@ -67,13 +58,14 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const CallState state = begin_call<kVecsPerThread>(control, p.input, vectors, input);
+  const GpuSession<kWorldSize> session(
+      p.exchange, begin_call<kVecsPerThread>(p.exchange.control, p.input, vectors, input));
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
-  if (state.failed != 0) return;
-  const uint32_t slot = state.slot;
+  if (session.failed()) return;
+  const int rank = session.rank();
+  const int world = session.world();
 
   // 2. Send.
-  const size_t send_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
 #pragma unroll
@@ -82,108 +74,57 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotParam
       const int64_t index = token * vectors + owned(i);
       const Vec16 packet = rewrite_sentinel(input[i]);
 #pragma unroll
-      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
         if (kWorldSize == 0 && r >= world) break;
-        if (r == p.rank) continue;  // its own rows the rank reads from its input
-        store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + send_offset) + index, packet);
+        if (r == rank) continue;  // its own rows the rank reads from its input
+        store_packet(reinterpret_cast<Vec16*>(session.send_region(r)) + index, packet);
       }
     }
   }
 
   // 3. Arrival.
-  if (threadIdx.x == 0) arrive(control, slot, uint64_t(p.tokens * p.hidden) * sizeof(T));
+  if (threadIdx.x == 0) session.arrive(uint64_t(p.tokens * p.hidden) * sizeof(T));
 
   // 4.
   launch_dependents();
 
   // 5. Clear.
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), state.clear_bytes, world, p.packet_bytes,
-             p.rank);
+  session.clear_previous();
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
-  if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  const Vec16* slot_base = reinterpret_cast<const Vec16*>(
-      p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes));
+  if constexpr (Epilogue::kHasNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
+  const Vec16* slot_base = reinterpret_cast<const Vec16*>(session.receive_region(0));
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 residual[kVecsPerThread];
-    if constexpr (kHasResidual)
+    if constexpr (Epilogue::kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
     // A block with a single token still holds its input row in registers.
     receive_row<T, kWorldSize, kVecsPerThread>(
-        acc, slot_base + token * vectors, p.packet_bytes,
+        acc, slot_base + token * vectors, p.exchange.packet_bytes,
         reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, gridDim.x >= p.tokens,
-        world, vectors, p);
-    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
-                                             NoSend{});
+        world, vectors, p.exchange);
+    finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
+                                            NoSend{});
   }
 }
 
-// The local epilogue (no collective): kAddRmsNorm or kRmsNorm of one rank's input.
-template <typename T, Epilogue kEpilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const OneShotParams p) {
-  constexpr int kElements = Packed<T>::kElements;
-  const int64_t vectors = p.hidden / kElements;
-  __shared__ float shared_sums[33];
-  grid_dependency_wait();
-  launch_dependents();
-  Vec16 gamma[kVecsPerThread];
-  load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    Vec16 input[kVecsPerThread], residual[kVecsPerThread];
-    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
-    if constexpr (kEpilogue == Epilogue::kAddRmsNorm) {
-      load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
-    }
-    float acc[kVecsPerThread][kElements];
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
-    }
-    finish_row<T, kVecsPerThread, kEpilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
-                                             NoSend{});
-  }
+template <typename Tag>
+constexpr auto oneshot_kernel_of(Tag) {
+  return oneshot_kernel<typename Tag::T, Tag::kWorld, typename Tag::Epilogue, Tag::kVecs>;
 }
 
 }  // namespace
 
-void cuda_oneshot(const TeamState& team, const OneShotParams& params, DType dtype,
-                  Epilogue epilogue, cudaStream_t stream) {
-  launch_row_collective(team, params, dtype, epilogue, stream, [](auto kernel_tag) {
-    using Tag = decltype(kernel_tag);
-    return oneshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
-  });
+void cuda_oneshot(const TeamState& team, const RowCall& call, DType dtype,
+                  const RowEpilogueKind& epilogue, cudaStream_t stream) {
+  launch_row_collective(team, call, dtype, epilogue, stream,
+                        [](auto kernel_tag) { return oneshot_kernel_of(kernel_tag); });
 }
 
-void cuda_preload_kernels(int world_size) {
-  for_each_row_kernel([&](DType dtype, Epilogue epilogue, const LaunchShape& shape) {
-    dispatch_row_kernel(dtype, world_size, epilogue, shape, [&](auto kernel_tag) {
-      using Tag = decltype(kernel_tag);
-      preload(oneshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>);
-      if constexpr (Tag::kEpilogue != Epilogue::kSum) {
-        preload(local_epilogue_kernel<typename Tag::T, Tag::kEpilogue, Tag::kVecs>);
-      }
-    });
-  });
-  cuda_preload_twoshot_kernels(world_size);
-  cuda_preload_qk_kernels(world_size);
-}
-
-void cuda_local_epilogue(const OneShotParams& params, DType dtype, Epilogue epilogue,
-                         cudaStream_t stream) {
-  const LaunchShape shape = launch_shape(params.hidden, dtype_size(dtype));
-  const int blocks = int(std::min<int64_t>(params.tokens, 65535));
-  const Epilogue local = epilogue == Epilogue::kAddRmsNorm ? epilogue : Epilogue::kRmsNorm;
-  dispatch_row_kernel(dtype, 2, local, shape, [&](auto kernel_tag) {
-    if constexpr (decltype(kernel_tag)::kEpilogue == Epilogue::kSum) {
-      TPF_FAIL("the local epilogue has no kSum form");  // never chosen
-    } else {
-      launch(local_epilogue_kernel<typename decltype(kernel_tag)::T,
-                                   decltype(kernel_tag)::kEpilogue, decltype(kernel_tag)::kVecs>,
-             blocks, shape.threads, 0, stream, params);
-    }
-  });
+void cuda_preload_oneshot_kernels(int world_size) {
+  for_each_row_kernel(world_size, [](auto kernel_tag) { preload(oneshot_kernel_of(kernel_tag)); });
 }
 
 }  // namespace tpfuse::impl

@@ -24,9 +24,10 @@
 //      the partner may be in another warp; one rounding to the output type.
 #include <cuda_runtime.h>
 
-#include "common/error.h"
-#include "common/team_state.h"
+#include "core/calls.h"
+#include "core/error.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
@@ -43,8 +44,8 @@ namespace {
 // Both rotate each element through `rotate` (qknorm.h).
 enum class RopePath : int { kNone = 0, kShared = 1, kRegisters = 2 };
 
-RopePath rope_path(const QkNormParams& p, int elements, int vecs_per_thread) {
-  if (p.rope == 0) return RopePath::kNone;
+RopePath rope_path(const QkCall& p, int elements, int vecs_per_thread) {
+  if (p.rope == RopeStyle::kNone) return RopePath::kNone;
   return rope_in_registers(p.rope, p.head_dim, p.rotary_dim, elements, vecs_per_thread)
              ? RopePath::kRegisters
              : RopePath::kShared;
@@ -55,18 +56,16 @@ RopePath rope_path(const QkNormParams& p, int elements, int vecs_per_thread) {
 // p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
 // kLoadAhead (launches with several tokens a block, one or two vectors a thread; the host
 // picks it): a block loads its next token's vectors while it works on the current one. A separate
-// instantiation: compiled into the one-token-per-block kernel, the second set of registers and the
-// loop's extra bookkeeping cost it 0.1 us (RoPE: 0.17) at 1-256 tokens, measured.
+// instantiation, because its second set of registers measured slower in the one-token kernel.
 template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, QkPass kPass,
           bool kLoadAhead = false>
-__global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p) {
   constexpr bool kFused = kPass == QkPass::kFused;
   constexpr bool kRopeShared = kRope == RopePath::kShared;
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   static_assert(!kLoadAhead || kVecsPerThread <= 2, "wider rows would spill the second set");
   ControlBlock* const control = p.exchange.control;
-  const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
   const int rank = p.exchange.rank;
   const int64_t q_vectors = p.q_size / kElements;
   const int64_t vectors = (p.q_size + p.kv_size) / kElements;
@@ -110,10 +109,9 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   const auto load_rope_registers = [&](int64_t position) {
     if constexpr (kRopeRegisters) {
       const float* row_cos_sin = p.cos_sin_cache + position * p.rotary_dim;
-      const bool neox = p.rope == 1;
-      // 16-byte loads where the rows, the sin half and the runs all start on 16 bytes (4 loads a
-      // thread instead of 16 in bf16; measured the same time as scalar loads at MiniMax-M2's
-      // shapes, and without the per-element style branch).
+      const bool neox = p.rope == RopeStyle::kNeox;
+      // 16-byte loads where the rows, the sin half and the runs all start on 16 bytes: fewer
+      // instructions, and no per-element style branch.
       const bool vector_loads =
           reinterpret_cast<uintptr_t>(p.cos_sin_cache) % 16 == 0 && p.rotary_dim % 8 == 0;
 #pragma unroll
@@ -160,10 +158,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   // loaded after the send, while the packets are in flight: issued here, a load the sums do not
   // need could still hold them up (the compiler may wait for a group of loads at once). The
   // cos/sin values are the exception: they wait for the position, a second load latency, which
-  // after the send was not hidden by the packets' flight (0.1 us slower, measured).
+  // the packets' flight after the send does not hide.
   CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
-    state = read_call_state(control);
+    state = read_call_state<GridCoop>(control);
     shared_state = state;
   }
   Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
@@ -208,20 +206,20 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       p.sums[2 * token + 1] = p.counts_k ? sums.y : 0.0f;
     }
     if (kFused && threadIdx.x == 0 && state.failed == 0) {
-      const size_t send_offset = packet_offset(state.slot, rank, world, p.exchange.packet_bytes);
+      const GpuSession<kWorldSize> sender(p.exchange, state);  // thread 0's own read
       const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
 #pragma unroll
-      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
-        if (kWorldSize == 0 && r >= world) break;
-        store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
-                     packet);
+      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+        if (kWorldSize == 0 && r >= sender.world()) break;
+        store_packet(reinterpret_cast<Vec16*>(sender.send_region(r)) + token, packet);
       }
     }
   }
 
   if constexpr (kPass == QkPass::kSums) return;
   if (kFused && shared_state.failed != 0) return;
-  const uint32_t slot = kFused ? shared_state.slot : 0;
+  const GpuSession<kWorldSize> session(p.exchange, kFused ? shared_state : CallState{0, 0, 0});
+  const int world = session.world();
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t c = vector_of(i);
@@ -232,18 +230,16 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
   // 3. Arrival (by a thread of the second warp where there is one: thread 0, which polls, then
   // need not wait for the atomic's round trip), trigger, clear.
   const unsigned arriver = blockDim.x > 32 ? 32u : 0u;
-  if (kFused && threadIdx.x == arriver) arrive(control, slot, uint64_t(p.tokens) * sizeof(Vec16));
+  if (kFused && threadIdx.x == arriver) session.arrive(uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
-    clear_slot(p.exchange.workspace[rank], slot_to_clear(slot), shared_state.clear_bytes, world,
-               p.exchange.packet_bytes, rank);
+    session.clear_previous();
   }
 
   // 4. Receive, normalize, rotate, store. `values` still hold the block's first token unless
   // step 2 went on to others.
   const bool first_token_held = kPass == QkPass::kNormFromSums || gridDim.x >= p.tokens;
-  const char* slot_base =
-      p.exchange.workspace[rank] + packet_offset(slot, 0, world, p.exchange.packet_bytes);
+  const char* slot_base = session.receive_region(0);
   if (!first_token_held) load_values(blockIdx.x, values);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     take_token(token);  // with kLoadAhead, the next one's load while this one is finished
@@ -260,7 +256,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
     }
     if (kFused && threadIdx.x == 0) {
       // Every sender's packet is loaded before the first is waited on: W polls in flight.
-      constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorld;
+      constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorldSize;
       const auto address = [&](int r) {
         return reinterpret_cast<const Vec16*>(slot_base + r * p.exchange.packet_bytes) + token;
       };
@@ -319,7 +315,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int j0 = head_offset[i];
         const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim;
-        if (p.rope == 1) {
+        if (p.rope == RopeStyle::kNeox) {
           // neox: the partner vector is half / kElements vectors away, on that lane; every lane
           // of the warp takes part in the shuffle.
           const bool first = j0 < half;
@@ -358,7 +354,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkNormPar
 
 // Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the
 // cos/sin row.
-size_t rope_shared_bytes(const QkNormParams& params, RopePath path) {
+size_t rope_shared_bytes(const QkCall& params, RopePath path) {
   return path == RopePath::kShared
              ? size_t(params.q_size + params.kv_size + params.rotary_dim) * sizeof(float)
              : 0;
@@ -384,12 +380,11 @@ constexpr bool qk_kernel_exists() {
 
 }  // namespace
 
-void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dtype,
+void cuda_qk_rmsnorm(const TeamState& team, const QkCall& params, DType dtype,
                      cudaStream_t stream) {
-  if (*reinterpret_cast<volatile uint32_t*>(team.error_flag) != 0) cuda_check(team);
+  if (*reinterpret_cast<volatile uint32_t*>(team.exchange.error_flag) != 0) cuda_check(team);
   DeviceGuard guard(team.device);
-  // The widest block that fits (one vector a thread): at MiniMax-M2's TP-2 shapes, two and four
-  // vectors a thread measured 0.1 and 0.5 us slower (bench/results/h200x2-20261130-abd03e7.md).
+  // The widest block that fits (one vector a thread): more vectors a thread measured slower.
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const RopePath path = rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread);
   const size_t shared_bytes = rope_shared_bytes(params, path);
@@ -406,9 +401,8 @@ void cuda_qk_rmsnorm(const TeamState& team, const QkNormParams& params, DType dt
           } else {
             // The grid is at most what is resident at once (blocks wait on peers). Launches with
             // more than twice as many tokens as resident blocks take the kernel that loads a
-            // token ahead, where it exists. At MiniMax-M2's TP-2 shapes, with up to two tokens
-            // a block it measured 0.1-0.3 us slower (its larger register set fits fewer
-            // blocks), at 2.6 the same, from 3.9 on faster (15% at 4096 tokens).
+            // token ahead, where it exists: with fewer tokens a block its larger register set,
+            // which fits fewer blocks, measured slower.
             const auto resident = [&](auto kernel) {
               return team.multiprocessors *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, shared_bytes);
@@ -460,7 +454,7 @@ void cuda_preload_qk_kernels(int world_size) {
   }
 }
 
-void cuda_qk_local(const QkNormParams& params, DType dtype, QkPass pass, cudaStream_t stream) {
+void cuda_qk_local(const QkCall& params, DType dtype, QkPass pass, cudaStream_t stream) {
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));
   const RopePath path = pass == QkPass::kNormFromSums
                             ? rope_path(params, int(16 / dtype_size(dtype)), shape.vecs_per_thread)

@@ -24,27 +24,22 @@
 // is sized by occupancy), so every store that is waited on is eventually made.
 #include <cuda_runtime.h>
 
-#include "common/error.h"
-#include "common/team_state.h"
+#include "core/calls.h"
 #include "cuda/device_ops.cuh"
+#include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/row_launch.cuh"
 #include "cuda/rows.cuh"
-#include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse::impl {
 namespace {
 
-template <typename T, int kWorldSize, Epilogue kEpilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParams p) {
+template <typename T, int kWorldSize, typename Epilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   constexpr int kElements = Packed<T>::kElements;
-  constexpr bool kNorm = kEpilogue != Epilogue::kSum;
-  constexpr bool kHasResidual = kEpilogue == Epilogue::kAddRmsNorm;
-  // Rows received rounded are finished without a residual add (kSum stays kSum).
-  constexpr Epilogue kGathered = kNorm ? Epilogue::kRmsNorm : Epilogue::kSum;
-  ControlBlock* const control = p.control;
-  const int world = kWorldSize > 0 ? kWorldSize : p.world_size;
+  const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
   const int64_t vectors = p.hidden / kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, world);
@@ -54,19 +49,18 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const CallState state = begin_call<kVecsPerThread>(control, p.input, vectors, input);
-  if (state.failed != 0) return;  // a failed team sends nothing (see oneshot.cu)
-  const uint32_t slot = state.slot;
-  const size_t my_sender_offset = packet_offset(slot, p.rank, world, p.packet_bytes);
+  const GpuSession<kWorldSize> session(
+      p.exchange, begin_call<kVecsPerThread>(p.exchange.control, p.input, vectors, input));
+  if (session.failed()) return;  // a failed team sends nothing (see oneshot.cu)
+  const int rank = session.rank();
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     const int owner = layout.owner(token);
-    if (owner == p.rank) continue;
+    if (owner == rank) continue;
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
-    Vec16* destination =
-        reinterpret_cast<Vec16*>(p.workspace[owner] + my_sender_offset +
-                                 layout.scatter_row(token - layout.begin(owner), row_bytes));
+    Vec16* destination = reinterpret_cast<Vec16*>(
+        session.send_region(owner) + layout.scatter_row(token - layout.begin(owner), row_bytes));
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
@@ -76,36 +70,36 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
   }
 
   // 3.
-  if (threadIdx.x == 0) arrive(control, slot, layout.sender_bytes(row_bytes));
+  if (threadIdx.x == 0) session.arrive(layout.sender_bytes(row_bytes));
   launch_dependents();
-  clear_slot(p.workspace[p.rank], slot_to_clear(slot), state.clear_bytes, world, p.packet_bytes,
-             p.rank);
+  session.clear_previous();
 
   Vec16 gamma[kVecsPerThread];
-  if constexpr (kNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  const char* my_slot = p.workspace[p.rank] + packet_offset(slot, 0, world, p.packet_bytes);
+  if constexpr (Epilogue::kHasNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
+  const char* my_slot = session.receive_region(0);
+  const size_t sender_stride = p.exchange.packet_bytes;
 
   // 4. Owned rows.
-  const int64_t own_begin = layout.begin(p.rank);
-  const int64_t own_count = layout.count(p.rank);
+  const int64_t own_begin = layout.begin(rank);
+  const int64_t own_count = layout.count(rank);
   for (int64_t local = blockIdx.x; local < own_count; local += gridDim.x) {
     const int64_t token = own_begin + local;
     Vec16 residual[kVecsPerThread];
-    if constexpr (kHasResidual)
+    if constexpr (Epilogue::kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
-        p.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, false,
-        world, vectors, p);
-    const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
-    finish_row<T, kVecsPerThread, kEpilogue>(
+        sender_stride, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, false,
+        world, vectors, p.exchange);
+    const size_t gather_row = layout.gather_row(local, row_bytes);
+    finish_row<T, kVecsPerThread, Epilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
 #pragma unroll
-          for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorld); ++r) {
+          for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
             if (kWorldSize == 0 && r >= world) break;
-            if (r == p.rank) continue;
-            store_packet(reinterpret_cast<Vec16*>(p.workspace[r] + gather_offset) + owned(i),
+            if (r == rank) continue;
+            store_packet(reinterpret_cast<Vec16*>(session.send_region(r) + gather_row) + owned(i),
                          rounded);
           }
         });
@@ -117,7 +111,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
     const int64_t token = index < own_begin ? index : index + own_count;
     const int owner = layout.owner(token);
     const Vec16* address =
-        reinterpret_cast<const Vec16*>(my_slot + size_t(owner) * p.packet_bytes +
+        reinterpret_cast<const Vec16*>(my_slot + size_t(owner) * sender_stride +
                                        layout.gather_row(token - layout.begin(owner), row_bytes));
     float acc[kVecsPerThread][kElements];
 #pragma unroll
@@ -125,34 +119,33 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const OneShotParam
       if (!owns<kVecsPerThread>(i, vectors)) continue;
       Vec16 packet = load_packet(address + owned(i));
       if (!has_arrived(packet)) {
-        packet =
-            wait_for_packet(address + owned(i), p.timeout_ns, &control->error, p.error_flag, owner);
+        packet = wait_for_packet(address + owned(i), p.exchange.timeout_ns,
+                                 &p.exchange.control->error, p.exchange.error_flag, owner);
       }
       accumulate_first<T>(acc[i], packet);
     }
     Vec16 no_residual[kVecsPerThread];
-    finish_row<T, kVecsPerThread, kGathered>(acc, no_residual, gamma, p, token, vectors,
-                                             shared_sums, NoSend{});
+    // Rows received rounded are finished without a residual add.
+    finish_row<T, kVecsPerThread, typename Epilogue::Gathered>(acc, no_residual, gamma, p, token,
+                                                               vectors, shared_sums, NoSend{});
   }
+}
+
+template <typename Tag>
+constexpr auto twoshot_kernel_of(Tag) {
+  return twoshot_kernel<typename Tag::T, Tag::kWorld, typename Tag::Epilogue, Tag::kVecs>;
 }
 
 }  // namespace
 
-void cuda_twoshot(const TeamState& team, const OneShotParams& params, DType dtype,
-                  Epilogue epilogue, cudaStream_t stream) {
-  launch_row_collective(team, params, dtype, epilogue, stream, [](auto kernel_tag) {
-    using Tag = decltype(kernel_tag);
-    return twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>;
-  });
+void cuda_twoshot(const TeamState& team, const RowCall& call, DType dtype,
+                  const RowEpilogueKind& epilogue, cudaStream_t stream) {
+  launch_row_collective(team, call, dtype, epilogue, stream,
+                        [](auto kernel_tag) { return twoshot_kernel_of(kernel_tag); });
 }
 
 void cuda_preload_twoshot_kernels(int world_size) {
-  for_each_row_kernel([&](DType dtype, Epilogue epilogue, const LaunchShape& shape) {
-    dispatch_row_kernel(dtype, world_size, epilogue, shape, [&](auto kernel_tag) {
-      using Tag = decltype(kernel_tag);
-      preload(twoshot_kernel<typename Tag::T, Tag::kWorld, Tag::kEpilogue, Tag::kVecs>);
-    });
-  });
+  for_each_row_kernel(world_size, [](auto kernel_tag) { preload(twoshot_kernel_of(kernel_tag)); });
 }
 
 }  // namespace tpfuse::impl

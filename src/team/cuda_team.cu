@@ -8,10 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/team_state.h"
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/team_state.h"
+#include "cuda/kernels.h"
 #include "team/handshake.h"
-#include "team/nccl_support.h"
+#include "team/teams.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
@@ -29,7 +31,7 @@ struct CudaTeamMemory : TeamMemory {
   ~CudaTeamMemory() override {
     int previous = 0;
     cudaGetDevice(&previous);
-    destroy_in_process_comms(comms);
+    if (!comms.empty()) nccl_support()->destroy_comms(comms);
     for (const auto& allocation : device_allocations) {
       cudaSetDevice(allocation.device);
       cudaDeviceSynchronize();
@@ -55,71 +57,7 @@ void enable_peer_access(int device, int peer) {
   }
 }
 
-}  // namespace
-
-void cuda_check(const TeamState& team) {
-  int previous = 0;
-  TPF_CHECK_CUDA(cudaGetDevice(&previous));
-  TPF_CHECK_CUDA(cudaSetDevice(team.device));
-  const cudaError_t status = cudaDeviceSynchronize();
-  cudaSetDevice(previous);
-  TPF_CHECK_CUDA(status);
-  const uint32_t error = *reinterpret_cast<volatile uint32_t*>(team.error_flag);
-  if (error != 0) {
-    TPF_FAIL("rank " << team.rank << " (device " << team.device << "): a call timed out waiting "
-                     << "for rank " << error - 1 << "'s packet; the team is failed, create a "
-                     << "new one");
-  }
-}
-
-void cuda_validate_pointers(const TeamState& team,
-                            std::initializer_list<std::pair<const char*, const void*>> pointers,
-                            cudaStream_t stream, const char* op) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (stream != nullptr) TPF_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
-  // A capturing stream cannot be asked its device; the launch onto it (made on the team's
-  // device) fails with a CUDA error if the stream belongs to another device.
-  if (stream != nullptr && capture == cudaStreamCaptureStatusNone) {
-    int stream_device = -1;
-    TPF_CHECK_CUDA(cudaStreamGetDevice(stream, &stream_device));
-    TPF_CHECK_ARG(stream_device == team.device, op,
-                  "stream belongs to device " << stream_device << " but team rank " << team.rank
-                                              << " is on device " << team.device);
-  }
-  for (const auto& [name, pointer] : pointers) {
-    if (pointer == nullptr) continue;
-    cudaPointerAttributes attributes{};
-    TPF_CHECK_CUDA(cudaPointerGetAttributes(&attributes, pointer));
-    const bool device_memory =
-        attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-    TPF_CHECK_ARG(device_memory && (attributes.type == cudaMemoryTypeManaged ||
-                                    attributes.device == team.device),
-                  op,
-                  name << " must be device memory on device " << team.device << " (rank "
-                       << team.rank << "), got "
-                       << (device_memory ? "memory of device " + std::to_string(attributes.device)
-                                         : std::string("host memory")));
-  }
-}
-
-void cuda_validate_call(const TeamState& team, const AddRmsNormArgs& args, cudaStream_t stream,
-                        const char* op) {
-  cuda_validate_pointers(team,
-                         {{"input", args.input},
-                          {"residual", args.residual},
-                          {"gamma", args.gamma},
-                          {"residual_out", args.residual_out},
-                          {"norm_out", args.norm_out}},
-                         stream, op);
-}
-
-}  // namespace impl
-
-bool cuda_available() {
-  return true;
-}
-
-int cuda_device_count() {
+int visible_devices() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     cudaGetLastError();
@@ -128,13 +66,16 @@ int cuda_device_count() {
   return count;
 }
 
-std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOptions& options) {
+}  // namespace
+
+std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
+                                              const TeamOptions& options) {
   const char* op = "create_cuda_team";
   const int world_size = int(devices.size());
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "devices must name 1 to " << kMaxWorldSize << " GPUs, got " << world_size);
-  impl::validate_team_options(options, op);
-  const int count = cuda_device_count();
+  validate_team_options(options, op);
+  const int count = visible_devices();
   std::set<int> seen;
   for (int i = 0; i < world_size; ++i) {
     TPF_CHECK_ARG(devices[i] >= 0 && devices[i] < count, op,
@@ -145,15 +86,17 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   }
   int previous = 0;
   TPF_CHECK_CUDA(cudaGetDevice(&previous));
-  auto memory = std::make_shared<impl::CudaTeamMemory>();
+  auto memory = std::make_shared<CudaTeamMemory>();
   // NCCL communicators for the NCCL path (in-process: one per device, ncclCommInitAll).
   // A team without them still runs its fused kernels: NCCL failing here costs only the NCCL path
   // (calls that need it then say why).
   std::string nccl_error;
-  try {
-    memory->comms = impl::create_in_process_comms(devices);
-  } catch (const Error& error) {
-    nccl_error = error.what();
+  if (nccl_support() != nullptr) {
+    try {
+      memory->comms = nccl_support()->in_process_comms(devices);
+    } catch (const Error& error) {
+      nccl_error = error.what();
+    }
   }
 
   std::string fallback_reason;
@@ -179,13 +122,13 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     for (int i = 0; i < world_size; ++i) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[i]));
       for (int j = 0; j < world_size; ++j) {
-        if (i != j) impl::enable_peer_access(devices[i], devices[j]);
+        if (i != j) enable_peer_access(devices[i], devices[j]);
       }
     }
   }
 
-  std::array<char*, impl::kMaxWorld> workspace{};
-  std::vector<impl::ControlBlock*> controls(world_size);
+  std::array<char*, kMaxWorldSize> workspace{};
+  std::vector<ControlBlock*> controls(world_size);
   std::vector<int> multiprocessors(world_size);
   std::vector<float*> qk_sums(world_size);
   uint32_t* error_flags = nullptr;
@@ -195,7 +138,7 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
                                cudaHostAllocMapped | cudaHostAllocPortable));
   memory->host_allocations.push_back(error_flags);
   arrived = error_flags + world_size;  // [world][world] handshake results
-  const size_t bytes = impl::allocation_bytes(world_size, options.packet_bytes);
+  const size_t bytes = allocation_bytes(world_size, options.packet_bytes);
   for (int r = 0; r < world_size; ++r) {
     error_flags[r] = 0;
     TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
@@ -204,12 +147,12 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
       TPF_CHECK_CUDA(cudaMalloc(&pointer, bytes));
       memory->device_allocations.push_back({devices[r], pointer});
       workspace[r] = static_cast<char*>(pointer);
-      impl::fill_sentinel(pointer, bytes, nullptr);
+      fill_sentinel(pointer, bytes, nullptr);
     }
-    TPF_CHECK_CUDA(cudaMalloc(&pointer, sizeof(impl::ControlBlock)));
+    TPF_CHECK_CUDA(cudaMalloc(&pointer, sizeof(ControlBlock)));
     memory->device_allocations.push_back({devices[r], pointer});
-    controls[r] = static_cast<impl::ControlBlock*>(pointer);
-    TPF_CHECK_CUDA(cudaMemset(pointer, 0, sizeof(impl::ControlBlock)));
+    controls[r] = static_cast<ControlBlock*>(pointer);
+    TPF_CHECK_CUDA(cudaMemset(pointer, 0, sizeof(ControlBlock)));
     if (!memory->comms.empty()) {
       TPF_CHECK_CUDA(cudaMalloc(&pointer, options.packet_bytes));
       memory->device_allocations.push_back({devices[r], pointer});
@@ -217,25 +160,25 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
     }
     TPF_CHECK_CUDA(
         cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount, devices[r]));
-    impl::cuda_preload_kernels(world_size);
+    cuda_preload_kernels(world_size);
     TPF_CHECK_CUDA(cudaDeviceSynchronize());
   }
   if (peer_stores && world_size > 1) {
     // Every rank's handshake kernel is queued before any is waited for: they poll each other.
     for (int r = 0; r < world_size; ++r) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
-      impl::launch_handshake(
-          workspace, r, world_size, impl::workspace_bytes(world_size, options.packet_bytes),
-          uint64_t(options.handshake_timeout_seconds * 1e9), arrived + r * world_size, nullptr);
+      launch_handshake(workspace, r, world_size, workspace_bytes(world_size, options.packet_bytes),
+                       uint64_t(options.handshake_timeout_seconds * 1e9), arrived + r * world_size,
+                       nullptr);
     }
     std::vector<uint32_t> masks(world_size);
     for (int r = 0; r < world_size; ++r) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
       TPF_CHECK_CUDA(cudaDeviceSynchronize());
-      masks[r] = impl::arrived_mask(arrived + r * world_size, world_size);
+      masks[r] = arrived_mask(arrived + r * world_size, world_size);
     }
     fallback_reason =
-        impl::handshake_verdict(masks.data(), world_size, options.handshake_timeout_seconds);
+        handshake_verdict(masks.data(), world_size, options.handshake_timeout_seconds);
     if (!fallback_reason.empty() && memory->comms.empty()) {
       TPF_FAIL(op << ": " << fallback_reason << ", and there is no NCCL to fall back on"
                   << (nccl_error.empty() ? " in this build" : ": " + nccl_error));
@@ -251,22 +194,14 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
 
   std::vector<Team> team;
   for (int r = 0; r < world_size; ++r) {
-    auto state = std::make_shared<impl::TeamState>();
-    state->backend = Backend::kCuda;
-    state->rank = r;
-    state->world_size = world_size;
+    auto state =
+        new_team_state(cuda_backend_ops(), r, world_size, options, device_name, fallback_reason,
+                       fallback_reason.empty() ? "cuda peer access" : "none");
+    for (int p = 0; p < world_size; ++p) state->exchange.workspace[p] = workspace[p];
+    state->exchange.control = controls[r];
+    state->exchange.error_flag = error_flags + r;
     state->device = devices[r];
-    state->packet_bytes = options.packet_bytes;
-    state->timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
-    state->workspace = workspace;
-    state->control = controls[r];
-    state->error_flag = error_flags + r;
     state->multiprocessors = multiprocessors[r];
-    state->device_name = device_name;
-    state->selection = impl::selection_for(device_name, world_size);
-    state->fused = fallback_reason.empty();
-    state->fallback_reason = fallback_reason;
-    state->peer_memory = state->fused ? "cuda peer access" : "none";
     state->nccl_comm = memory->comms.empty() ? nullptr : memory->comms[r];
     state->qk_sums = qk_sums[r];
     state->memory = memory;
@@ -275,4 +210,23 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   return team;
 }
 
+namespace {
+
+class InProcessCudaTeams final : public CudaTeams {
+ public:
+  int device_count() const override { return visible_devices(); }
+  std::vector<Team> in_process(const std::vector<int>& devices,
+                               const TeamOptions& options) const override {
+    return create_in_process_cuda_team(devices, options);
+  }
+};
+
+}  // namespace
+
+const CudaTeams& cuda_team_factory() {
+  static const InProcessCudaTeams teams;
+  return teams;
+}
+
+}  // namespace impl
 }  // namespace tpfuse

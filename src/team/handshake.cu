@@ -2,7 +2,7 @@
 #include <cstdlib>
 #include <sstream>
 
-#include "common/error.h"
+#include "core/error.h"
 #include "cuda/device_ops.cuh"
 #include "team/handshake.h"
 
@@ -15,7 +15,7 @@ __host__ __device__ uint32_t handshake_word(int sender, int receiver) {
 }
 
 struct HandshakeParams {
-  char* workspace[kMaxWorld];
+  char* workspace[kMaxWorldSize];
   int rank;
   int world;
   size_t area_offset;
@@ -79,11 +79,11 @@ void fill_sentinel(void* words, size_t bytes, cudaStream_t stream) {
   TPF_CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_handshake(const std::array<char*, kMaxWorld>& workspace, int rank, int world,
+void launch_handshake(const std::array<char*, kMaxWorldSize>& workspace, int rank, int world,
                       size_t area_offset, uint64_t timeout_ns, uint32_t* arrived,
                       cudaStream_t stream) {
   HandshakeParams params{};
-  for (int r = 0; r < kMaxWorld; ++r) params.workspace[r] = workspace[r];
+  for (int r = 0; r < kMaxWorldSize; ++r) params.workspace[r] = workspace[r];
   params.rank = rank;
   params.world = world;
   params.area_offset = area_offset;

@@ -19,7 +19,7 @@ void fill_sentinel(void* words, size_t bytes, cudaStream_t stream);
 
 // Queues the handshake of rank `rank` on `stream` (current device). arrived: host-mapped,
 // [world] words; arrived[p] becomes 1 if p's word reached this rank, 0 if the timeout passed.
-void launch_handshake(const std::array<char*, kMaxWorld>& workspace, int rank, int world,
+void launch_handshake(const std::array<char*, kMaxWorldSize>& workspace, int rank, int world,
                       size_t area_offset, uint64_t timeout_ns, uint32_t* arrived,
                       cudaStream_t stream);
 

@@ -1,6 +1,5 @@
-// Everything tpfuse takes from NCCL: teams of one rank per process over a communicator, the
-// in-process communicators, and the NCCL path of both fused ops (ncclAllReduce + the local
-// epilogue kernels).
+// Teams of one rank per process over an NCCL communicator (the caller's, or one made from a
+// bootstrap id).
 //
 // Peer memory of a multi-process team (TeamOptions::peer_memory):
 //   * NCCL symmetric window (kAuto's choice when every rank's NCCL is 2.28 or newer): ncclMemAlloc
@@ -30,25 +29,22 @@
 #define TPFUSE_NCCL_WINDOWS 0
 #endif
 
-#include "common/error.h"
-#include "common/nccl_types.h"
-#include "common/team_state.h"
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/team_state.h"
+#include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "team/handshake.h"
-#include "team/nccl_support.h"
+#include "team/teams.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
 namespace impl {
 namespace {
 
-ncclComm_t comm_of(const TeamState& team) {
-  return static_cast<ncclComm_t>(team.nccl_comm);
-}
-
 #if TPFUSE_NCCL_WINDOWS
 struct LsaRanks {
-  int rank[kMaxWorld];
+  int rank[kMaxWorldSize];
 };
 
 // Each rank's window base as this rank addresses it (ncclGetLsaPointer is device-side only).
@@ -116,90 +112,10 @@ bool windows_supported() {
 
 }  // namespace
 
-std::vector<void*> create_in_process_comms(const std::vector<int>& devices) {
-  std::vector<ncclComm_t> comms(devices.size());
-  TPF_CHECK_NCCL(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
-  // One grouped all-reduce now: NCCL connects its ranks lazily, in the first collective, and a
-  // first collective made rank by rank from one host thread would wait forever for the others.
-  std::vector<float*> scratch(devices.size());
-  int previous = 0;
-  TPF_CHECK_CUDA(cudaGetDevice(&previous));
-  for (size_t r = 0; r < devices.size(); ++r) {
-    TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
-    TPF_CHECK_CUDA(cudaMalloc(&scratch[r], 64));
-  }
-  TPF_CHECK_NCCL(ncclGroupStart());
-  for (size_t r = 0; r < devices.size(); ++r) {
-    TPF_CHECK_NCCL(
-        ncclAllReduce(scratch[r], scratch[r], 16, ncclFloat32, ncclSum, comms[r], nullptr));
-  }
-  TPF_CHECK_NCCL(ncclGroupEnd());
-  for (size_t r = 0; r < devices.size(); ++r) {
-    TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
-    TPF_CHECK_CUDA(cudaDeviceSynchronize());
-    TPF_CHECK_CUDA(cudaFree(scratch[r]));
-  }
-  TPF_CHECK_CUDA(cudaSetDevice(previous));
-  return std::vector<void*>(comms.begin(), comms.end());
-}
-
-void destroy_in_process_comms(std::vector<void*>& comms) {
-  for (void* comm : comms) ncclCommDestroy(static_cast<ncclComm_t>(comm));
-  comms.clear();
-}
-
-void cuda_nccl_path(const TeamState& team, const OneShotParams& params, DType dtype,
-                    Epilogue epilogue, cudaStream_t stream) {
-  DeviceGuard guard(team.device);
-  const size_t count = size_t(params.tokens) * size_t(params.hidden);
-  if (epilogue == Epilogue::kSum) {
-    TPF_CHECK_NCCL(ncclAllReduce(params.input, params.norm_out, count, nccl_type(dtype), ncclSum,
-                                 comm_of(team), stream));
-    return;
-  }
-  // The sum lands in an output that is not the residual (outputs coincide with an input or are
-  // disjoint from it, and residual_out != norm_out), then the local epilogue reads it from there:
-  // each thread reads its vectors of a row before it writes them.
-  void* sum = params.norm_out != params.residual ? params.norm_out : params.residual_out;
-  TPF_CHECK_NCCL(
-      ncclAllReduce(params.input, sum, count, nccl_type(dtype), ncclSum, comm_of(team), stream));
-  OneShotParams local = params;
-  local.input = sum;
-  cuda_local_epilogue(local, dtype, epilogue, stream);
-}
-
-void cuda_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType dtype,
-                       cudaStream_t stream) {
-  DeviceGuard guard(team.device);
-  QkNormParams pass = params;
-  pass.sums = team.qk_sums;
-  cuda_qk_local(pass, dtype, QkPass::kSums, stream);
-  TPF_CHECK_NCCL(ncclAllReduce(pass.sums, pass.sums, size_t(2 * params.tokens), ncclFloat32,
-                               ncclSum, comm_of(team), stream));
-  cuda_qk_local(pass, dtype, QkPass::kNormFromSums, stream);
-}
-
-}  // namespace impl
-
-bool nccl_available() {
-  return true;
-}
-
-UniqueId create_unique_id() {
-  static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "UniqueId must hold an ncclUniqueId");
-  ncclUniqueId id;
-  TPF_CHECK_NCCL(ncclGetUniqueId(&id));
-  UniqueId out;
-  std::memcpy(out.bytes, id.internal, sizeof(out.bytes));
-  return out;
-}
-
-namespace {
-
-Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& options) {
+Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& options) {
   const char* op = "create_nccl_team";
   TPF_CHECK_ARG(comm != nullptr, op, "comm is null");
-  impl::validate_team_options(options, op);
+  validate_team_options(options, op);
   int world = 0, rank = 0, device = 0;
   TPF_CHECK_NCCL(ncclCommCount(comm, &world));
   TPF_CHECK_NCCL(ncclCommUserRank(comm, &rank));
@@ -207,8 +123,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
   TPF_CHECK_ARG(
       world >= 1 && world <= kMaxWorldSize, op,
       "the communicator has " << world << " ranks; at most " << kMaxWorldSize << " are supported");
-  impl::DeviceGuard guard(device);
-  auto memory = std::make_shared<impl::NcclTeamMemory>();
+  DeviceGuard guard(device);
+  auto memory = std::make_shared<NcclTeamMemory>();
   memory->device = device;
   memory->comm = comm;
 
@@ -219,16 +135,16 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
     ~StreamOwner() { cudaStreamDestroy(stream); }
   } stream_owner{stream};
   uint64_t* exchange = nullptr;
-  TPF_CHECK_CUDA(cudaMalloc(&exchange, sizeof(uint64_t) * impl::kMaxWorld));
+  TPF_CHECK_CUDA(cudaMalloc(&exchange, sizeof(uint64_t) * kMaxWorldSize));
   memory->device_allocations.push_back(exchange);
 
   TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&memory->host_flags),
-                               sizeof(uint32_t) * (1 + impl::kMaxWorld), cudaHostAllocMapped));
-  std::memset(memory->host_flags, 0, sizeof(uint32_t) * (1 + impl::kMaxWorld));
+                               sizeof(uint32_t) * (1 + kMaxWorldSize), cudaHostAllocMapped));
+  std::memset(memory->host_flags, 0, sizeof(uint32_t) * (1 + kMaxWorldSize));
   uint32_t* arrived = memory->host_flags + 1;
 
-  const size_t bytes = impl::allocation_bytes(world, options.packet_bytes);
-  std::array<char*, impl::kMaxWorld> workspace{};
+  const size_t bytes = allocation_bytes(world, options.packet_bytes);
+  std::array<char*, kMaxWorldSize> workspace{};
   std::string reason;
   std::string peer_memory = "none";
   if (!options.peer_stores) reason = "TeamOptions::peer_stores is false";
@@ -247,27 +163,27 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
     PeerMemory method = options.peer_memory;
     if (method == PeerMemory::kAuto) {
       const auto support =
-          impl::all_gather_words(comm, exchange, world, rank, impl::windows_supported(), stream);
+          all_gather_words(comm, exchange, world, rank, windows_supported(), stream);
       bool all = true;
       for (uint64_t word : support) all = all && word != 0;
       method = all ? PeerMemory::kNcclWindow : PeerMemory::kCudaIpc;
     }
     if (method == PeerMemory::kNcclWindow) {
 #if TPFUSE_NCCL_WINDOWS
-      TPF_CHECK_ARG(impl::windows_supported(), op,
+      TPF_CHECK_ARG(windows_supported(), op,
                     "options.peer_memory is kNcclWindow but NCCL symmetric windows are not "
                     "available here (the NCCL loaded is older than 2.28)");
       TPF_CHECK_NCCL(ncclMemAlloc(&memory->workspace, bytes));
       memory->window_memory = true;
       TPF_CHECK_NCCL(ncclCommWindowRegister(comm, memory->workspace, bytes, &memory->window,
                                             NCCL_WIN_COLL_SYMMETRIC));
-      impl::LsaRanks lsa{};
+      LsaRanks lsa{};
       const ncclTeam_t world_team = ncclTeamWorld(comm);
       for (int r = 0; r < world; ++r) lsa.rank[r] = ncclTeamRankToLsa(comm, world_team, r);
       char** pointers = nullptr;
-      TPF_CHECK_CUDA(cudaMalloc(&pointers, sizeof(char*) * impl::kMaxWorld));
+      TPF_CHECK_CUDA(cudaMalloc(&pointers, sizeof(char*) * kMaxWorldSize));
       memory->device_allocations.push_back(pointers);
-      impl::lsa_pointers_kernel<<<1, 32, 0, stream>>>(memory->window, world, lsa, pointers);
+      lsa_pointers_kernel<<<1, 32, 0, stream>>>(memory->window, world, lsa, pointers);
       TPF_CHECK_CUDA(cudaGetLastError());
       TPF_CHECK_CUDA(cudaMemcpyAsync(workspace.data(), pointers, sizeof(char*) * world,
                                      cudaMemcpyDeviceToHost, stream));
@@ -316,8 +232,7 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
         workspace[r] = static_cast<char*>(peer);
       }
       // Every rank learns whether every rank mapped every peer, before any store.
-      const auto opened =
-          impl::all_gather_words(comm, exchange, world, rank, open_error.empty(), stream);
+      const auto opened = all_gather_words(comm, exchange, world, rank, open_error.empty(), stream);
       for (int r = 0; r < world && reason.empty(); ++r) {
         if (opened[r] == 0) {
           reason = r == rank ? open_error
@@ -329,50 +244,40 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
   }
 
   void* control = nullptr;
-  TPF_CHECK_CUDA(cudaMalloc(&control, sizeof(impl::ControlBlock)));
+  TPF_CHECK_CUDA(cudaMalloc(&control, sizeof(ControlBlock)));
   memory->device_allocations.push_back(control);
-  TPF_CHECK_CUDA(cudaMemsetAsync(control, 0, sizeof(impl::ControlBlock), stream));
+  TPF_CHECK_CUDA(cudaMemsetAsync(control, 0, sizeof(ControlBlock), stream));
   if (reason.empty()) {
-    impl::fill_sentinel(memory->workspace, bytes, stream);
+    fill_sentinel(memory->workspace, bytes, stream);
     // A barrier (an all-gather of one word) so that no rank's handshake store can land before its
     // peer has filled the workspace.
-    impl::all_gather_words(comm, exchange, world, rank, 0, stream);
+    all_gather_words(comm, exchange, world, rank, 0, stream);
     if (world > 1) {
-      impl::launch_handshake(workspace, rank, world,
-                             impl::workspace_bytes(world, options.packet_bytes),
-                             uint64_t(options.handshake_timeout_seconds * 1e9), arrived, stream);
+      launch_handshake(workspace, rank, world, workspace_bytes(world, options.packet_bytes),
+                       uint64_t(options.handshake_timeout_seconds * 1e9), arrived, stream);
       TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
-      const auto masks = impl::all_gather_words(comm, exchange, world, rank,
-                                                impl::arrived_mask(arrived, world), stream);
+      const auto masks =
+          all_gather_words(comm, exchange, world, rank, arrived_mask(arrived, world), stream);
       std::vector<uint32_t> narrow(masks.begin(), masks.end());
-      reason = impl::handshake_verdict(narrow.data(), world, options.handshake_timeout_seconds);
+      reason = handshake_verdict(narrow.data(), world, options.handshake_timeout_seconds);
     }
   }
-  impl::cuda_preload_kernels(world);
+  cuda_preload_kernels(world);
   float* qk_sums = nullptr;
   TPF_CHECK_CUDA(cudaMalloc(&qk_sums, options.packet_bytes));
   memory->device_allocations.push_back(qk_sums);
   TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
 
-  auto state = std::make_shared<impl::TeamState>();
-  state->backend = Backend::kCuda;
-  state->rank = rank;
-  state->world_size = world;
-  state->device = device;
-  state->packet_bytes = options.packet_bytes;
-  state->timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
-  state->workspace = workspace;
-  state->control = static_cast<impl::ControlBlock*>(control);
-  state->error_flag = memory->host_flags;
-  TPF_CHECK_CUDA(
-      cudaDeviceGetAttribute(&state->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
-  state->device_name = properties.name;
-  state->selection = impl::selection_for(state->device_name, world);
-  state->fused = reason.empty();
-  state->fallback_reason = reason;
-  state->peer_memory = state->fused ? peer_memory : "none";
+  auto state = new_team_state(cuda_backend_ops(), rank, world, options, properties.name, reason,
+                              reason.empty() ? peer_memory : "none");
+  for (int r = 0; r < world; ++r) state->exchange.workspace[r] = workspace[r];
+  state->exchange.control = static_cast<ControlBlock*>(control);
+  state->exchange.error_flag = memory->host_flags;
+  state->device = device;
+  TPF_CHECK_CUDA(
+      cudaDeviceGetAttribute(&state->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   state->nccl_comm = comm;
   state->qk_sums = qk_sums;
   state->memory = memory;
@@ -380,14 +285,8 @@ Team create_team_over(ncclComm_t comm, bool owns_comm, const TeamOptions& option
   return Team(std::move(state));
 }
 
-}  // namespace
-
-Team create_nccl_team(ncclComm_t comm, const TeamOptions& options) {
-  return create_team_over(comm, false, options);
-}
-
-Team create_nccl_team(const UniqueId& id, int rank, int world_size, int device,
-                      const TeamOptions& options) {
+Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,
+                              const TeamOptions& options) {
   const char* op = "create_nccl_team";
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "world_size must be in [1, " << kMaxWorldSize << "], got " << world_size);
@@ -396,17 +295,18 @@ Team create_nccl_team(const UniqueId& id, int rank, int world_size, int device,
   const int count = cuda_device_count();
   TPF_CHECK_ARG(device >= 0 && device < count, op,
                 "device " << device << " but this process sees " << count << " CUDA device(s)");
-  impl::DeviceGuard guard(device);
+  DeviceGuard guard(device);
   ncclUniqueId nccl_id;
   std::memcpy(nccl_id.internal, id.bytes, sizeof(id.bytes));
   ncclComm_t comm = nullptr;
   TPF_CHECK_NCCL(ncclCommInitRank(&comm, world_size, nccl_id, rank));
   try {
-    return create_team_over(comm, true, options);
+    return create_team_over_nccl(comm, true, options);
   } catch (...) {
     ncclCommDestroy(comm);
     throw;
   }
 }
 
+}  // namespace impl
 }  // namespace tpfuse

@@ -122,6 +122,12 @@ void on_device(const Team& team, Fn&& call) {
   call();
 }
 
+NormWeight norm_weight_of(int64_t value, const char* op) {
+  TORCH_CHECK(value == 0 || value == 1, "tpfuse::", op,
+              ": norm_weight must be 0 (gamma) or 1 (one plus gamma), got ", value);
+  return NormWeight(value);
+}
+
 Algorithm algorithm_of(int64_t value, const char* op) {
   TORCH_CHECK(value >= 0 && value <= 3, "tpfuse::", op,
               ": algorithm must be 0 (auto), 1 (oneshot), ", "2 (twoshot) or 3 (nccl), got ",
@@ -133,7 +139,7 @@ Algorithm algorithm_of(int64_t value, const char* op) {
 
 // Checks an add-RMSNorm call's tensors and runs it into the given outputs.
 void run_add_rmsnorm(int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
-                     const at::Tensor& gamma, double eps, int64_t algorithm,
+                     const at::Tensor& gamma, double eps, int64_t algorithm, int64_t norm_weight,
                      const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op) {
   const Team team = Registry::instance().get(team_handle, op);
   TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
@@ -159,6 +165,7 @@ void run_add_rmsnorm(int64_t team_handle, const at::Tensor& input, const at::Ten
   args.dtype = dtype;
   args.eps = float(eps);
   args.algorithm = algorithm_of(algorithm, op);
+  args.norm_weight = norm_weight_of(norm_weight, op);
   const cudaStream_t stream = stream_for(team, input, op);
   on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
 }
@@ -167,19 +174,20 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
                                                          const at::Tensor& input,
                                                          const std::optional<at::Tensor>& residual,
                                                          const at::Tensor& gamma, double eps,
-                                                         int64_t algorithm) {
+                                                         int64_t algorithm, int64_t norm_weight) {
   at::Tensor norm_out = at::empty_like(input);
   at::Tensor residual_out = at::empty_like(input);
   run_add_rmsnorm(team_handle, input, residual ? &*residual : nullptr, gamma, eps, algorithm,
-                  norm_out, residual_out, "allreduce_add_rmsnorm");
+                  norm_weight, norm_out, residual_out, "allreduce_add_rmsnorm");
   return {norm_out, residual_out};
 }
 
 // In place, as engines call their fused add + RMSNorm: input <- norm, residual <- sum + residual.
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
-                            const at::Tensor& gamma, double eps, int64_t algorithm) {
-  run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, input, residual,
-                  "allreduce_add_rmsnorm_");
+                            const at::Tensor& gamma, double eps, int64_t algorithm,
+                            int64_t norm_weight) {
+  run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, norm_weight, input,
+                  residual, "allreduce_add_rmsnorm_");
 }
 
 at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {
@@ -256,12 +264,13 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(int64_t, const at::Tensor& input,
                                                               const std::optional<at::Tensor>&,
-                                                              const at::Tensor&, double, int64_t) {
+                                                              const at::Tensor&, double, int64_t,
+                                                              int64_t) {
   return {at::empty_like(input), at::empty_like(input)};
 }
 
 void allreduce_add_rmsnorm__meta(int64_t, at::Tensor&, at::Tensor&, const at::Tensor&, double,
-                                 int64_t) {}
+                                 int64_t, int64_t) {}
 
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
   return at::empty_like(input);
@@ -338,10 +347,10 @@ TORCH_LIBRARY(tpfuse, m) {
   using namespace tpfuse::torch_ops;
   m.def(
       "allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor gamma, float eps, "
-      "int algorithm=0) -> (Tensor norm_out, Tensor residual_out)");
+      "int algorithm=0, int norm_weight=0) -> (Tensor norm_out, Tensor residual_out)");
   m.def(
       "allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor gamma, "
-      "float eps, int algorithm=0) -> ()");
+      "float eps, int algorithm=0, int norm_weight=0) -> ()");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(
       "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_gamma, Tensor k_gamma, int q_size, "

@@ -31,6 +31,7 @@ struct CaseSpec {
   float eps = 1e-6f;
   bool plain_allreduce = false;            // tpfuse::allreduce of tokens * hidden elements
   Algorithm algorithm = Algorithm::kAuto;  // kAuto: the harness's algorithm
+  NormWeight norm_weight = NormWeight::kGamma;
 };
 
 struct CaseData {
@@ -51,6 +52,7 @@ inline std::string describe(const CaseSpec& spec) {
       << (spec.plain_allreduce ? " allreduce" : "") << (spec.residual ? " residual" : "")
       << (spec.residual_out ? " residual_out" : "") << (spec.norm_in_place ? " norm_in_place" : "")
       << (spec.residual_in_place ? " residual_in_place" : "");
+  if (spec.norm_weight != NormWeight::kGamma) out << " " << norm_weight_name(spec.norm_weight);
   if (spec.algorithm != Algorithm::kAuto) out << " " << algorithm_name(spec.algorithm);
   return out.str();
 }
@@ -187,6 +189,7 @@ class OneShotRunner {
     args.hidden = spec.hidden;
     args.dtype = spec.dtype;
     args.eps = spec.eps;
+    args.norm_weight = spec.norm_weight;
     args.algorithm = algorithm;
     return allreduce_add_rmsnorm(team, args, stream);
   }
@@ -206,7 +209,7 @@ inline void expect_correct(const CaseSpec& spec, const CaseData& data, const Cas
                                                          : std::ldexp(1.0, -149);
   const Reference ref = reference_add_rmsnorm(
       data.inputs, spec.residual && !spec.plain_allreduce ? &data.residuals[0] : nullptr,
-      data.gamma, spec.tokens, spec.hidden, spec.eps);
+      data.gamma, spec.tokens, spec.hidden, spec.eps, spec.norm_weight);
   const size_t count = ref.residual_out.size();
   // The NCCL path rounds the rank sum to the dtype before the residual add: one more rounding
   // of a value at most `magnitude`.
@@ -458,6 +461,64 @@ inline void check_batch_invariance(Harness& harness, uint64_t seed) {
       }
       if (::testing::Test::HasFailure()) return;
     }
+  }
+}
+
+// The (1 + gamma) weight (NormWeight::kOnePlusGamma): random cases against the float64
+// reference; then, with gamma on a grid where 1 + gamma is exact in every dtype, the same bits as
+// the plain weight given 1 + gamma (the one-plus is done in fp32 before the one rounding); and,
+// where the team runs the fused kernels, one-shot and two-shot agree bit for bit.
+inline void check_one_plus_gamma(Harness& harness, uint64_t seed, int cases, int64_t max_tokens) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  for (int c = 0; c < cases; ++c) {
+    CaseSpec spec = random_spec(rng, max_tokens);
+    spec.plain_allreduce = false;
+    spec.norm_weight = NormWeight::kOnePlusGamma;
+    spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
+    CaseData data = random_case(rng, spec, harness.world_size());
+    // Gemma-style weights are centered on zero: gamma near 0, some exactly -1 (a zero weight).
+    for (size_t i = 0; i < data.gamma.count(); ++i) {
+      data.gamma.set(i, i % 17 == 0 ? -1.0 : 0.25 * (data.gamma.get(i) - 1.0));
+    }
+    expect_correct(spec, data, runner.run(spec, data));
+    if (::testing::Test::HasFailure()) return;
+  }
+  for (DType dtype : kDTypes) {
+    CaseSpec spec;
+    spec.dtype = dtype;
+    spec.tokens = 2 * harness.world_size() + 3;
+    spec.hidden = 3072;
+    spec.norm_weight = NormWeight::kOnePlusGamma;
+    CaseData data = random_case(rng, spec, harness.world_size());
+    CaseData shifted = data;
+    for (size_t i = 0; i < data.gamma.count(); ++i) {
+      const double g = double(int64_t(rng() % 33) - 16) / 8.0;  // -2 .. 2 in steps of 1/8
+      data.gamma.set(i, g);
+      shifted.gamma.set(i, 1.0 + g);
+    }
+    const CaseResult one_plus = runner.run(spec, data);
+    expect_correct(spec, data, one_plus);
+    CaseSpec plain = spec;
+    plain.norm_weight = NormWeight::kGamma;
+    const CaseResult reference = runner.run(plain, shifted);
+    for (int r = 0; r < harness.world_size(); ++r) {
+      EXPECT_TRUE(one_plus.norm_out[r].bytes == reference.norm_out[r].bytes)
+          << describe(spec) << ": (1 + gamma) differs from gamma' = 1 + gamma, rank " << r;
+      EXPECT_TRUE(one_plus.residual_out[r].bytes == reference.residual_out[r].bytes)
+          << describe(spec) << ": residual_out depends on the weight, rank " << r;
+    }
+    if (harness.team()[0].fallback_reason().empty() && harness.algorithm == Algorithm::kAuto) {
+      spec.algorithm = Algorithm::kOneShot;
+      const CaseResult oneshot = runner.run(spec, data);
+      spec.algorithm = Algorithm::kTwoShot;
+      const CaseResult twoshot = runner.run(spec, data);
+      for (int r = 0; r < harness.world_size(); ++r) {
+        EXPECT_TRUE(twoshot.norm_out[r].bytes == oneshot.norm_out[r].bytes)
+            << describe(spec) << ": two-shot differs in bits from one-shot, rank " << r;
+      }
+    }
+    if (::testing::Test::HasFailure()) return;
   }
 }
 

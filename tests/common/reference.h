@@ -108,9 +108,11 @@ struct Reference {
 };
 
 // float64 reference: residual_out = sum_r input_r + residual; norm_out = rmsnorm(residual_out) * g.
+// weight: the norm multiplies by gamma, or by 1 + gamma (NormWeight::kOnePlusGamma).
 inline Reference reference_add_rmsnorm(const std::vector<HostTensor>& inputs,
                                        const HostTensor* residual, const HostTensor& gamma,
-                                       int64_t tokens, int64_t hidden, double eps) {
+                                       int64_t tokens, int64_t hidden, double eps,
+                                       NormWeight weight = NormWeight::kGamma) {
   Reference ref;
   const size_t count = size_t(tokens * hidden);
   ref.residual_out.assign(count, 0.0);
@@ -140,8 +142,10 @@ inline Reference reference_add_rmsnorm(const std::vector<HostTensor>& inputs,
     const double rstd = 1.0 / std::sqrt(sum_squares / double(hidden) + eps);
     for (int64_t h = 0; h < hidden; ++h) {
       const size_t i = size_t(t * hidden + h);
-      ref.norm_out[i] = ref.residual_out[i] * rstd * gamma.get(size_t(h));
-      ref.norm_scale[i] = std::fabs(gamma.get(size_t(h))) * rstd * ref.magnitude[i];
+      const double w =
+          weight == NormWeight::kOnePlusGamma ? 1.0 + gamma.get(size_t(h)) : gamma.get(size_t(h));
+      ref.norm_out[i] = ref.residual_out[i] * rstd * w;
+      ref.norm_scale[i] = std::fabs(w) * rstd * ref.magnitude[i];
     }
   }
   return ref;

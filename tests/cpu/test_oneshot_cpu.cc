@@ -36,6 +36,10 @@ TEST_P(CpuAlgorithms, AdversarialPayloads) {
   check_adversarial(harness_, seed(3000));
 }
 
+TEST_P(CpuAlgorithms, OnePlusGammaWeight) {
+  check_one_plus_gamma(harness_, seed(3500), 12, 37);
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
                          ::testing::Combine(::testing::Values(2, 3, 4, 5, 8),
                                             ::testing::Values(Algorithm::kOneShot,
@@ -57,6 +61,11 @@ TEST_P(CpuOneShot, ThousandsOfConsecutiveCalls) {
 TEST_P(CpuOneShot, TwoShotGivesOneShotBitsWhateverTheBatch) {
   CpuHarness harness(GetParam());
   check_batch_invariance(harness, 5000 + GetParam());
+}
+
+TEST_P(CpuOneShot, OnePlusGammaWeightSameBitsOnEveryAlgorithm) {
+  CpuHarness harness(GetParam());
+  check_one_plus_gamma(harness, 5500 + GetParam(), 4, 37);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuOneShot, ::testing::Values(2, 3, 4, 5, 8),
@@ -120,26 +129,30 @@ TEST(CpuLocalAddRmsNorm, MatchesFloat64Reference) {
   std::mt19937_64 rng(6);
   for (DType dtype : kDTypes) {
     for (int64_t hidden : {8, 136, 3072, 16384}) {
-      CaseSpec spec;
-      spec.dtype = dtype;
-      spec.hidden = hidden;
-      spec.tokens = 3;
-      const CaseData data = random_case(rng, spec, 1);
-      CaseResult result;
-      result.norm_out.push_back(poisoned(dtype, size_t(3 * hidden)));
-      result.residual_out.push_back(poisoned(dtype, size_t(3 * hidden)));
-      AddRmsNormArgs args;
-      args.input = data.inputs[0].data();
-      args.residual = data.residuals[0].data();
-      args.gamma = data.gamma.data();
-      args.residual_out = result.residual_out[0].data();
-      args.norm_out = result.norm_out[0].data();
-      args.tokens = spec.tokens;
-      args.hidden = hidden;
-      args.dtype = dtype;
-      args.eps = spec.eps;
-      add_rmsnorm(Backend::kCpu, args);
-      expect_correct(spec, data, result);
+      for (NormWeight weight : {NormWeight::kGamma, NormWeight::kOnePlusGamma}) {
+        CaseSpec spec;
+        spec.dtype = dtype;
+        spec.hidden = hidden;
+        spec.tokens = 3;
+        spec.norm_weight = weight;
+        const CaseData data = random_case(rng, spec, 1);
+        CaseResult result;
+        result.norm_out.push_back(poisoned(dtype, size_t(3 * hidden)));
+        result.residual_out.push_back(poisoned(dtype, size_t(3 * hidden)));
+        AddRmsNormArgs args;
+        args.input = data.inputs[0].data();
+        args.residual = data.residuals[0].data();
+        args.gamma = data.gamma.data();
+        args.residual_out = result.residual_out[0].data();
+        args.norm_out = result.norm_out[0].data();
+        args.tokens = spec.tokens;
+        args.hidden = hidden;
+        args.dtype = dtype;
+        args.eps = spec.eps;
+        args.norm_weight = weight;
+        add_rmsnorm(Backend::kCpu, args);
+        expect_correct(spec, data, result);
+      }
     }
   }
 }

@@ -79,7 +79,7 @@ TEST(QkRopeLayout, RegistersOnlyWhereEveryPartnerIsInTheSameWarp) {
   for (int elements : {4, 8}) {  // fp32; fp16 / bf16
     for (int64_t head_dim : {8, 16, 32, 64, 96, 128, 192, 256, 512}) {
       for (int64_t rotary = 2; rotary <= head_dim; rotary += 2) {
-        for (int style : {1, 2}) {
+        for (RopeStyle style : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
           for (int64_t heads : {1, 3, 6, 24, 48}) {
             const int64_t width = (heads + 1) * head_dim;  // q heads, then one k head
             for (int vecs : {1, 2, 4}) {
@@ -99,10 +99,11 @@ TEST(QkRopeLayout, RegistersOnlyWhereEveryPartnerIsInTheSameWarp) {
                 if (j0 >= rotary) continue;
                 // interleaved: pairs inside the vector, which lies in the rotary part; neox: the
                 // vector lies in one rotary half.
-                ASSERT_LE(j0 + elements, style == 2 || j0 >= half ? rotary : half)
+                ASSERT_LE(j0 + elements,
+                          style == RopeStyle::kInterleaved || j0 >= half ? rotary : half)
                     << "a vector straddles a rotary boundary: head_dim " << head_dim << " rotary "
-                    << rotary << " elements " << elements << " style " << style;
-                if (style == 2) continue;
+                    << rotary << " elements " << elements << " style " << int(style);
+                if (style == RopeStyle::kInterleaved) continue;
                 const int64_t partner = j0 < half ? c + away : c - away;
                 ASSERT_EQ(partner * elements / head_dim, c * elements / head_dim);
                 ASSERT_EQ(partner / threads, c / threads) << "another index of the thread";
@@ -121,13 +122,13 @@ TEST(QkRopeLayout, RegistersOnlyWhereEveryPartnerIsInTheSameWarp) {
   // MiniMax-M2's layout (head_dim 128, rotary 64, one vector a thread) runs in registers in every
   // dtype; a rotary half that is not whole vectors, a 64-vector rotary part in fp32, and more than
   // two vectors a thread do not.
-  EXPECT_TRUE(impl::rope_in_registers(1, 128, 64, 8, 1));
-  EXPECT_TRUE(impl::rope_in_registers(1, 128, 64, 4, 1));
-  EXPECT_TRUE(impl::rope_in_registers(2, 128, 64, 8, 2));
-  EXPECT_FALSE(impl::rope_in_registers(1, 128, 34, 8, 1));
-  EXPECT_FALSE(impl::rope_in_registers(1, 256, 256, 4, 1));
-  EXPECT_FALSE(impl::rope_in_registers(1, 128, 64, 8, 4));
-  EXPECT_FALSE(impl::rope_in_registers(0, 128, 64, 8, 1));
+  EXPECT_TRUE(impl::rope_in_registers(RopeStyle::kNeox, 128, 64, 8, 1));
+  EXPECT_TRUE(impl::rope_in_registers(RopeStyle::kNeox, 128, 64, 4, 1));
+  EXPECT_TRUE(impl::rope_in_registers(RopeStyle::kInterleaved, 128, 64, 8, 2));
+  EXPECT_FALSE(impl::rope_in_registers(RopeStyle::kNeox, 128, 34, 8, 1));
+  EXPECT_FALSE(impl::rope_in_registers(RopeStyle::kNeox, 256, 256, 4, 1));
+  EXPECT_FALSE(impl::rope_in_registers(RopeStyle::kNeox, 128, 64, 8, 4));
+  EXPECT_FALSE(impl::rope_in_registers(RopeStyle::kNone, 128, 64, 8, 1));
 }
 
 void expect_error_naming(const std::function<void()>& call, const std::string& name) {

@@ -4,7 +4,7 @@
 #include <functional>
 #include <string>
 
-#include "common/team_state.h"
+#include "core/selection.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse {

@@ -95,6 +95,12 @@ TEST_P(GpuAlgorithms, RepeatedCallsGiveIdenticalBits) {
   check_repeatable(harness, 50 + int(GetParam()));
 }
 
+TEST_P(GpuAlgorithms, OnePlusGammaWeight) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_one_plus_gamma(harness, 65 + int(GetParam()), 30, 512);
+}
+
 TEST_P(GpuAlgorithms, AdversarialPayloads) {
   CudaHarness harness(gpus());
   harness.algorithm = GetParam();
@@ -104,6 +110,11 @@ TEST_P(GpuAlgorithms, AdversarialPayloads) {
 INSTANTIATE_TEST_SUITE_P(Forced, GpuAlgorithms,
                          ::testing::Values(Algorithm::kTwoShot, Algorithm::kNccl),
                          [](const auto& info) { return algorithm_name(info.param); });
+
+TEST_F(GpuOneShot, OnePlusGammaWeight) {
+  CudaHarness harness(gpus());
+  check_one_plus_gamma(harness, 71, 30, 512);
+}
 
 TEST_F(GpuOneShot, TwoShotGivesOneShotBitsWhateverTheBatch) {
   CudaHarness harness(gpus());
@@ -307,6 +318,7 @@ TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
         spec.dtype = dtype;
         spec.hidden = hidden;
         spec.tokens = tokens;
+        spec.norm_weight = tokens == 5 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
         const CaseData data = random_case(rng, spec, 1);
         const size_t bytes = size_t(tokens * hidden) * dtype_size(dtype);
         void* input = harness.allocate(0, bytes);
@@ -329,6 +341,7 @@ TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
         args.tokens = tokens;
         args.hidden = hidden;
         args.dtype = dtype;
+        args.norm_weight = spec.norm_weight;
         add_rmsnorm(Backend::kCuda, args, harness.stream(0));
         CaseResult result;
         result.norm_out.emplace_back(dtype, size_t(tokens * hidden));

@@ -32,12 +32,13 @@ def on_every_rank(teams, call):
     return results
 
 
-def reference_add_rmsnorm(inputs, residual, weight, eps):
+def reference_add_rmsnorm(inputs, residual, weight, eps, one_plus=False):
     total = sum(x.double() for x in inputs)
     if residual is not None:
         total = total + residual.double()
     rounded = total.to(inputs[0].dtype).double()
-    norm = rounded * torch.rsqrt(rounded.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    scale = weight.double() + 1.0 if one_plus else weight.double()
+    norm = rounded * torch.rsqrt(rounded.pow(2).mean(-1, keepdim=True) + eps) * scale
     return norm, total
 
 
@@ -103,6 +104,51 @@ class AddRmsNorm(unittest.TestCase):
         for rank in range(2):
             self.assertTrue(torch.equal(buffers[rank][0], functional[rank][0]))
             self.assertTrue(torch.equal(buffers[rank][1], functional[rank][1]))
+        for team in teams:
+            team.close()
+
+    def test_one_plus_gamma_weight(self):
+        """norm_weight=ONE_PLUS_GAMMA: against float64, in every algorithm and both op forms, and
+        bit for bit the plain weight given 1 + gamma where that is exact (steps of 1/8)."""
+        generator = torch.Generator().manual_seed(5)
+        teams = tpfuse.cpu_team(2)
+        one_plus = tpfuse.NormWeight.ONE_PLUS_GAMMA
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            inputs = [torch.randn(5, 136, generator=generator).to(dtype) for _ in range(2)]
+            residual = torch.randn(5, 136, generator=generator).to(dtype)
+            weight = (torch.randint(-16, 17, (136,), generator=generator) / 8).to(dtype)
+            norm_ref, _ = reference_add_rmsnorm(inputs, residual, weight, 1e-6, one_plus=True)
+            plain = on_every_rank(
+                teams,
+                lambda r, t: tpfuse.allreduce_add_rmsnorm(t, inputs[r], residual, weight + 1, 1e-6),
+            )
+            for algorithm in ("oneshot", "twoshot", "nccl"):
+                out = on_every_rank(
+                    teams,
+                    lambda r, t: tpfuse.allreduce_add_rmsnorm(
+                        t, inputs[r], residual, weight, 1e-6, algorithm, one_plus
+                    ),
+                )
+                where = f"{dtype} {algorithm}"
+                tolerance = TOLERANCE[dtype] * (2 if algorithm == "nccl" else 1)
+                for rank in range(2):
+                    torch.testing.assert_close(
+                        out[rank][0].double(), norm_ref, atol=tolerance, rtol=tolerance, msg=where
+                    )
+                    self.assertTrue(torch.equal(out[rank][0], out[0][0]), where)
+                    if algorithm != "nccl":
+                        self.assertTrue(torch.equal(out[rank][0], plain[rank][0]), where)
+            buffers = [(inputs[r].clone(), residual.clone()) for r in range(2)]
+            on_every_rank(
+                teams,
+                lambda r, t: tpfuse.allreduce_add_rmsnorm_(
+                    t, buffers[r][0], buffers[r][1], weight, 1e-6, "auto", one_plus
+                ),
+            )
+            for rank in range(2):
+                self.assertTrue(torch.equal(buffers[rank][0], plain[rank][0]))
+        with self.assertRaisesRegex(RuntimeError, "norm_weight"):
+            tpfuse.allreduce_add_rmsnorm(teams[0], inputs[0], None, weight, 1e-6, "auto", 2)
         for team in teams:
             team.close()
 
@@ -249,6 +295,10 @@ class Compile(unittest.TestCase):
         torch.library.opcheck(
             torch.ops.tpfuse.allreduce_add_rmsnorm_.default,
             (self.team.handle, x.clone(), x.clone(), weight, 1e-6, 0),
+        )
+        torch.library.opcheck(
+            torch.ops.tpfuse.allreduce_add_rmsnorm.default,
+            (self.team.handle, x, x, weight, 1e-6, 0, 1),
         )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(

@@ -1,5 +1,5 @@
 // One dispatch per axis: dtype and world size each bind a compile-time constant and call a
-// lambda. World sizes 2, 4 and 8 are specialized; any other (up to kMaxWorld) runs with
+// lambda. World sizes 2, 4 and 8 are specialized; any other (up to kMaxWorldSize) runs with
 // kWorldSize == 0, the runtime path. Adding a case is one line.
 #pragma once
 

@@ -1,6 +1,8 @@
-// The epilogues, written once for the GPU kernels and the CPU backend. Each works on one 16-byte
-// vector of a token row in fp32; the row-wide sum of squares is reduced by the caller (a block
-// reduction on the GPU, a loop on the CPU).
+// The row epilogues, written once for the GPU kernels and the CPU backend. An epilogue is a traits
+// type (RowEpilogue: residual or not, norm or not, the norm's weight) whose steps work on one
+// 16-byte vector of a token row in fp32; the row-wide sum of squares is reduced by the caller (a
+// block reduction on the GPU, a loop on the CPU). RowEpilogues lists those the kernels are built
+// for: a new epilogue is a traits type, its reference in the tests, and a line there.
 //
 // Rounding: the rank sum and the residual add are done in fp32 and rounded once to the output
 // type (residual_out). The norm is computed from residual_out as stored, so norm_out is exactly
@@ -15,14 +17,9 @@
 #include "tpfuse/impl/config.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
+#include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
-
-enum class Epilogue : int {
-  kSum = 0,         // out = sum
-  kRmsNorm = 1,     // residual_out (optional) = sum; norm_out = rmsnorm(sum) * gamma
-  kAddRmsNorm = 2,  // residual_out = sum + residual; norm_out = rmsnorm(residual_out) * gamma
-};
 
 // acc = packet (the first rank's contribution): starting from the packet instead of 0 keeps
 // -0 sums as -0, as in a plain left-to-right sum.
@@ -69,15 +66,82 @@ TPF_HOST_DEVICE float rms_scale(float sum_squares, int64_t hidden, float eps) {
   return reciprocal_sqrt(sum_squares / float(hidden) + eps);
 }
 
-template <typename T>
+// (x * scale) * w per element, rounded once, where w is gamma or 1 + gamma (in fp32).
+template <typename T, NormWeight kWeight>
 TPF_HOST_DEVICE Vec16 normalize(const float (&x)[Packed<T>::kElements], const Vec16& gamma,
                                 float scale) {
   float g[Packed<T>::kElements];
   unpack<T>(gamma, g);
   float out[Packed<T>::kElements];
   TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) out[i] = (x[i] * scale) * g[i];
+  for (int i = 0; i < Packed<T>::kElements; ++i) {
+    const float weight = kWeight == NormWeight::kOnePlusGamma ? 1.0f + g[i] : g[i];
+    out[i] = (x[i] * scale) * weight;
+  }
   return pack<T>(out);
+}
+
+// What a row epilogue does, as values: the key a call's arguments give and the traits match.
+struct RowEpilogueKind {
+  bool residual;      // the sum plus a residual (else the sum alone)
+  bool norm;          // an RMSNorm of that (else the rounded sum is the output)
+  NormWeight weight;  // the norm's weight
+  constexpr bool operator==(const RowEpilogueKind& other) const {
+    return residual == other.residual && norm == other.norm && weight == other.weight;
+  }
+};
+
+// A row epilogue. Steps, per vector of a row whose rank sum is in `acc`:
+//   round_sum:  (+ residual), one rounding to T (residual_out, or out without a norm); `acc`
+//               becomes the rounded values and their squares are added to sum_squares;
+//   normalize:  the norm of the rounded values with the row's scale (kHasNorm only).
+template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma>
+struct RowEpilogue {
+  static_assert(kNorm || (!kResidual && kWeight == NormWeight::kGamma), "no norm: a plain sum");
+  static constexpr bool kHasResidual = kResidual;
+  static constexpr bool kHasNorm = kNorm;
+  static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight};
+  // How a row that arrives already rounded (the two-shot all-gather) is finished.
+  using Gathered = RowEpilogue<false, kNorm, kWeight>;
+
+  template <typename T>
+  TPF_HOST_DEVICE static Vec16 round_sum(float (&acc)[Packed<T>::kElements], const Vec16& residual,
+                                         float& sum_squares) {
+    if constexpr (kNorm) {
+      return residual_round<T, kResidual>(acc, residual, sum_squares);
+    } else {
+      return round_output<T>(acc);
+    }
+  }
+
+  template <typename T>
+  TPF_HOST_DEVICE static Vec16 normalize(const float (&x)[Packed<T>::kElements], const Vec16& gamma,
+                                         float scale) {
+    return impl::normalize<T, kWeight>(x, gamma, scale);
+  }
+};
+
+using SumEpilogue = RowEpilogue<false, false>;
+
+template <typename... Epilogues>
+struct EpilogueList {};
+
+// Every row epilogue the kernels are instantiated for.
+using RowEpilogues = EpilogueList<SumEpilogue, RowEpilogue<false, true>, RowEpilogue<true, true>,
+                                  RowEpilogue<false, true, NormWeight::kOnePlusGamma>,
+                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma>>;
+
+// Calls fn(Epilogue{}) with the listed epilogue whose kind is `kind`; false if none is.
+template <typename Fn, typename... Epilogues>
+bool dispatch_epilogue_in(EpilogueList<Epilogues...>, const RowEpilogueKind& kind, Fn&& fn) {
+  bool found = false;
+  ((!found && Epilogues::kKind == kind ? (found = true, fn(Epilogues{}), 0) : 0), ...);
+  return found;
+}
+
+template <typename Fn, typename... Epilogues>
+void for_each_epilogue_in(EpilogueList<Epilogues...>, Fn&& fn) {
+  (fn(Epilogues{}), ...);
 }
 
 }  // namespace tpfuse::impl

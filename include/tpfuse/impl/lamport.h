@@ -1,7 +1,7 @@
 // The Lamport one-shot protocol: workspace layout, sentinel, slot rotation. Host+device.
 //
-// The story (the GPU kernel in src/cuda/oneshot.cu and the CPU backend in src/cpu/cpu_team.cc
-// both follow it, through the functions below):
+// The story (the GPU kernels in src/cuda/ and the CPU backend in src/cpu/ both follow it, through
+// the functions below and the call session of tpfuse/impl/session.h):
 //
 //  * Each rank's workspace holds kSlots = 3 slots; a slot holds one packet per sender rank,
 //    packet_bytes each. Call k of a rank uses slot k % 3 (the control block keeps k % 3 itself,
@@ -48,12 +48,12 @@
 
 #include "tpfuse/impl/config.h"
 #include "tpfuse/impl/numeric.h"
+#include "tpfuse/limits.h"
 
 namespace tpfuse::impl {
 
 constexpr uint32_t kSentinel = 0x80000000u;
 constexpr int kSlots = 3;
-constexpr int kMaxWorld = 16;
 
 // Per-rank control block, in the rank's own memory (never touched by peers).
 struct alignas(16) ControlBlock {
@@ -83,7 +83,7 @@ TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
 }
 
 // Bytes of the handshake area after the slots.
-constexpr size_t kHandshakeBytes = 16 * kMaxWorld;
+constexpr size_t kHandshakeBytes = 16 * kMaxWorldSize;
 
 // Bytes to allocate for one rank's workspace: the slots and the handshake area.
 TPF_HOST_DEVICE size_t allocation_bytes(int world_size, size_t packet_bytes) {

@@ -9,6 +9,7 @@
 
 #include "tpfuse/impl/config.h"
 #include "tpfuse/impl/numeric.h"
+#include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
 
@@ -62,13 +63,13 @@ TPF_HOST_DEVICE float rotate(float x, float partner, float c, float s, bool firs
 // every layout it can make.
 constexpr int kMaxRopeRegisterVecs = 2;
 
-inline bool rope_in_registers(int style, int64_t head_dim, int64_t rotary_dim, int elements,
+inline bool rope_in_registers(RopeStyle style, int64_t head_dim, int64_t rotary_dim, int elements,
                               int vecs_per_thread) {
-  if (style == 0 || vecs_per_thread > kMaxRopeRegisterVecs || head_dim % elements != 0 ||
-      rotary_dim % elements != 0) {
+  if (style == RopeStyle::kNone || vecs_per_thread > kMaxRopeRegisterVecs ||
+      head_dim % elements != 0 || rotary_dim % elements != 0) {
     return false;
   }
-  if (style == 2) return true;  // interleaved pairs lie inside a vector
+  if (style == RopeStyle::kInterleaved) return true;  // interleaved pairs lie inside a vector
   const int64_t head_vectors = head_dim / elements;
   const bool half_whole = (rotary_dim / 2) % elements == 0;
   const bool one_warp =
@@ -78,11 +79,11 @@ inline bool rope_in_registers(int style, int64_t head_dim, int64_t rotary_dim, i
 
 // Element j (0 <= j < head_dim) of one head after the rotary embedding; `head` holds the head's
 // normalized fp32 values, `cos_sin` the position's cache row.
-TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_dim, int style,
-                                   const float* cos_sin) {
+TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_dim,
+                                   RopeStyle style, const float* cos_sin) {
   if (j >= rotary_dim) return head[j];
   const int64_t half = rotary_dim / 2;
-  if (style == 1) {  // neox: (j, j + half)
+  if (style == RopeStyle::kNeox) {  // neox: (j, j + half)
     const int64_t i = j < half ? j : j - half;
     const float c = cos_sin[i];
     const float s = cos_sin[half + i];
@@ -104,7 +105,7 @@ TPF_HOST_DEVICE float rope_element(const float* head, int64_t j, int64_t rotary_
 // are worked out once for the vector instead of once per element.
 template <int kN>
 TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start, int head_dim,
-                                int rotary_dim, int style, const float* cos_sin) {
+                                int rotary_dim, RopeStyle style, const float* cos_sin) {
   const int j0 = start % head_dim;
   const int half = rotary_dim / 2;
   const float* head = row + (start - j0);
@@ -114,7 +115,8 @@ TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start,
     for (int e = 0; e < kN; ++e) lanes[e] = head[j0 + e];
     return;
   }
-  if (one_head && style == 1 && (j0 + kN <= half || (j0 >= half && j0 + kN <= rotary_dim))) {
+  if (one_head && style == RopeStyle::kNeox &&
+      (j0 + kN <= half || (j0 >= half && j0 + kN <= rotary_dim))) {
     if (j0 < half) {  // (j, j + half): x * cos - partner * sin
       TPF_UNROLL
       for (int e = 0; e < kN; ++e) {
@@ -131,7 +133,8 @@ TPF_HOST_DEVICE void rope_lanes(float (&lanes)[kN], const float* row, int start,
     }
     return;
   }
-  if (one_head && style == 2 && kN % 2 == 0 && j0 % 2 == 0 && j0 + kN <= rotary_dim) {
+  if (one_head && style == RopeStyle::kInterleaved && kN % 2 == 0 && j0 % 2 == 0 &&
+      j0 + kN <= rotary_dim) {
     TPF_UNROLL
     for (int e = 0; e < kN; e += 2) {  // (2i, 2i + 1)
       const int i = (j0 + e) / 2;

@@ -8,8 +8,11 @@
 #include <string>
 #include <vector>
 
-#include "common/error.h"
-#include "common/team_state.h"
+#include "core/selection.h"
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/validate.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
@@ -143,21 +146,19 @@ Algorithm table_algorithm(const std::string& device_name, int world_size, uint64
 
 Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden, DType dtype,
                            Algorithm requested, const char* op) {
-  const int requested_value = int(requested);
-  TPF_CHECK_ARG(requested_value >= 0 && requested_value <= 3, op,
-                "algorithm " << requested_value << " is not an Algorithm");
+  TPF_CHECK_ARG(is_known(requested), op, "algorithm " << int(requested) << " is not an Algorithm");
   const size_t row_bytes = size_t(hidden) * dtype_size(dtype);
   const uint64_t bytes = uint64_t(tokens) * row_bytes;
-  const bool has_nccl = team.backend == Backend::kCpu || team.nccl_comm != nullptr;
-  const bool oneshot_fits = bytes <= team.packet_bytes;
+  const bool has_nccl = team.ops->has_nccl_path(team);
+  const bool oneshot_fits = bytes <= team.packet_bytes();
   const bool twoshot_fits =
-      tokens <= twoshot_max_tokens(team.world_size, team.packet_bytes, row_bytes);
+      tokens <= twoshot_max_tokens(team.world_size(), team.packet_bytes(), row_bytes);
   const auto capacity_error = [&](Algorithm algorithm, int64_t most) {
     TPF_CHECK_ARG(
         false, op,
         "tokens " << tokens << " x hidden " << hidden << " of " << dtype_name(dtype) << " needs "
                   << bytes << " bytes, more than " << algorithm_name(algorithm)
-                  << " carries in the team's packet capacity of " << team.packet_bytes
+                  << " carries in the team's packet capacity of " << team.packet_bytes()
                   << " bytes (at most " << most << " tokens; raise TeamOptions::packet_bytes)");
     return Algorithm::kNccl;  // not reached
   };
@@ -169,11 +170,11 @@ Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden
                                  << " needs peer stores, which this team does not use: "
                                  << team.fallback_reason);
       if (requested == Algorithm::kOneShot && !oneshot_fits) {
-        capacity_error(requested, int64_t(team.packet_bytes / row_bytes));
+        capacity_error(requested, int64_t(team.packet_bytes() / row_bytes));
       }
       if (requested == Algorithm::kTwoShot && !twoshot_fits) {
         capacity_error(requested,
-                       twoshot_max_tokens(team.world_size, team.packet_bytes, row_bytes));
+                       twoshot_max_tokens(team.world_size(), team.packet_bytes(), row_bytes));
       }
       return requested;
     case Algorithm::kNccl:
@@ -189,7 +190,8 @@ Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden
         "the team cannot use peer stores (" << team.fallback_reason << ") and has no NCCL path");
     return Algorithm::kNccl;
   }
-  Algorithm choice = team.world_size == 1 ? Algorithm::kOneShot : first_step(team.selection, bytes);
+  Algorithm choice =
+      team.world_size() == 1 ? Algorithm::kOneShot : first_step(team.selection, bytes);
   if (choice == Algorithm::kOneShot && !oneshot_fits) choice = Algorithm::kTwoShot;
   if (choice == Algorithm::kTwoShot && !twoshot_fits) {
     choice = oneshot_fits ? Algorithm::kOneShot : Algorithm::kNccl;
@@ -198,7 +200,7 @@ Algorithm choose_algorithm(const TeamState& team, int64_t tokens, int64_t hidden
     if (oneshot_fits) return Algorithm::kOneShot;
     if (twoshot_fits) return Algorithm::kTwoShot;
     capacity_error(Algorithm::kTwoShot,
-                   twoshot_max_tokens(team.world_size, team.packet_bytes, row_bytes));
+                   twoshot_max_tokens(team.world_size(), team.packet_bytes(), row_bytes));
   }
   return choice;
 }

@@ -1,4 +1,5 @@
-// The CPU backend's packet stores and polls (shared by the add-RMSNorm and QK-norm paths).
+// How a CPU rank thread stores, polls and takes part in a call session (tpfuse/impl/session.h):
+// the CPU backend's side of the protocol, shared by its row and QK-norm paths.
 //
 // Memory ordering: packet words are stored with release and polled with acquire (per 32-bit
 // word, as on the GPU, where only word stores are single-copy atomic). The release on every
@@ -12,8 +13,9 @@
 #include <cstring>
 #include <thread>
 
-#include "common/error.h"
+#include "core/error.h"
 #include "tpfuse/impl/lamport.h"
+#include "tpfuse/impl/session.h"
 
 namespace tpfuse::impl {
 
@@ -60,28 +62,40 @@ inline Vec16 poll_vector(const char* address, uint64_t timeout_ns, uint32_t* err
   }
 }
 
-// Throws if this rank's team failed earlier.
-inline void check_not_failed(const uint32_t* error_flag, int rank) {
-  const uint32_t failed = __atomic_load_n(error_flag, __ATOMIC_ACQUIRE);
-  if (failed != 0) {
-    TPF_FAIL("rank " << rank << ": the team failed earlier (rank " << failed - 1
+// The session's Coop on the CPU: the rank's one thread is the only participant. The control
+// block is only ever touched by its own rank's thread; the atomics keep it well-defined anyway.
+struct ThreadCoop {
+  static uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+  static uint64_t load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+  static void store(uint32_t* word, uint32_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+  }
+  static void store(uint64_t* word, uint64_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+  }
+  static uint32_t add_arrival(uint32_t* count) {
+    return __atomic_fetch_add(count, 1u, __ATOMIC_ACQ_REL);
+  }
+  static uint32_t participants() { return 1; }
+  static int64_t thread_index() { return 0; }
+  static int64_t thread_count() { return 1; }
+  static void store_sentinel(Vec16* address) {
+    store_vector(reinterpret_cast<char*>(address), sentinel_vector());
+  }
+};
+
+using CpuSession = LamportSession<ThreadCoop>;
+
+// The session of this rank's next call; throws if the team failed earlier (a failed rank sends
+// nothing, so its peers time out too).
+inline CpuSession begin_session(const Exchange& exchange) {
+  const CpuSession session(exchange, read_call_state<ThreadCoop>(exchange.control));
+  if (session.failed()) {
+    TPF_FAIL("rank " << exchange.rank << ": the team failed earlier (rank "
+                     << ThreadCoop::load(&exchange.control->error) - 1
                      << " did not arrive); create a new team");
   }
-}
-
-// Re-fills the slot the previous call read (recorded in the control block) with the sentinel,
-// but this rank's own sender region, which no call reads before storing (tpfuse/impl/lamport.h).
-inline void clear_previous_slot(char* my_workspace, const ControlBlock& control, int world_size,
-                                size_t packet_bytes, int rank) {
-  const uint32_t clear_slot = slot_to_clear(control.slot);
-  const size_t clear_bytes = control.slot_bytes[clear_slot];
-  for (int r = 0; r < world_size; ++r) {
-    if (r == rank) continue;
-    char* base = my_workspace + packet_offset(clear_slot, r, world_size, packet_bytes);
-    for (size_t offset = 0; offset < clear_bytes; offset += 16) {
-      store_vector(base + offset, sentinel_vector());
-    }
-  }
+  return session;
 }
 
 }  // namespace tpfuse::impl

@@ -1,12 +1,12 @@
 // The distributed QK norm on the CPU backend: per token, this rank's sums of squares of q and k
-// go to every rank as one fp32 packet (Lamport protocol, lamport.h), every rank sums the packets
-// in rank order, and normalizes (and rotates) its own q and k slices. Same functions as the GPU
-// kernel (impl/qknorm.h, impl/epilogue.h).
+// go to every rank as one fp32 packet (a Lamport session, tpfuse/impl/session.h), every rank sums
+// the packets in rank order, and normalizes (and rotates) its own q and k slices. Same functions
+// as the GPU kernel (tpfuse/impl/qknorm.h, tpfuse/impl/epilogue.h).
 #include <cstring>
 #include <vector>
 
-#include "common/team_state.h"
-#include "cpu/cpu_exchange.h"
+#include "cpu/exchange.h"
+#include "cpu/kernels.h"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/qknorm.h"
@@ -22,7 +22,7 @@ Vec16 load_at(const void* base, int64_t element_offset, size_t element_size) {
 
 // This rank's {sum q^2, sum k^2} of one token (k as 0 where this rank does not count it).
 template <typename T>
-void row_sums(const QkNormParams& p, int64_t token, float& sum_q, float& sum_k) {
+void row_sums(const QkCall& p, int64_t token, float& sum_q, float& sum_k) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t row = p.q_size + 2 * p.kv_size;
   sum_q = 0.0f;
@@ -39,7 +39,7 @@ void row_sums(const QkNormParams& p, int64_t token, float& sum_q, float& sum_k) 
 // Normalizes (and rotates) one token's q and k with the global sums; `normalized` and
 // `rotated` are scratch rows.
 template <typename T>
-void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_k,
+void normalize_row(const QkCall& p, int64_t token, float sum_q, float sum_k,
                    std::vector<float>& normalized, std::vector<float>& rotated) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t row = p.q_size + 2 * p.kv_size;
@@ -55,7 +55,7 @@ void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_
     scale_lanes<T>(load_at(p.qkv, token * row + p.q_size + e, sizeof(T)),
                    load_at(p.k_gamma, e, sizeof(T)), scale_k, lanes);
   }
-  if (p.rope != 0) {
+  if (p.rope != RopeStyle::kNone) {
     // Vector by vector, as the GPU kernel: partners are read from the unrotated row.
     const float* cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
     for (int64_t e = 0; e < p.q_size + p.kv_size; e += kElements) {
@@ -77,7 +77,7 @@ void normalize_row(const QkNormParams& p, int64_t token, float sum_q, float sum_
 }
 
 template <typename T>
-void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
+void qk_rmsnorm(const QkCall& p, QkPass pass) {
   std::vector<float> normalized(size_t(p.q_size + p.kv_size));
   std::vector<float> rotated(size_t(p.q_size + p.kv_size));
   if (pass == QkPass::kSums) {
@@ -92,31 +92,26 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
     }
     return;
   }
-  const ExchangeParams& x = p.exchange;
-  ControlBlock& control = *x.control;
-  check_not_failed(x.error_flag, x.rank);
-  const uint32_t slot = control.slot;
+  const Exchange& x = p.exchange;
+  const CpuSession session = begin_session(x);
 
-  // Send: {sum q^2, sum k^2} per token to every rank.
+  // Send: {sum q^2, sum k^2} per token to every rank (its own too: its packet is in no input).
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sum_q, sum_k;
     row_sums<T>(p, token, sum_q, sum_k);
     const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, sum_k));
     for (int r = 0; r < x.world_size; ++r) {
-      store_vector(
-          x.workspace[r] + packet_offset(slot, x.rank, x.world_size, x.packet_bytes) + token * 16,
-          packet);
+      store_vector(session.send_region(r) + token * 16, packet);
     }
   }
-  clear_previous_slot(x.workspace[x.rank], control, x.world_size, x.packet_bytes, x.rank);
+  session.clear_previous();
 
   // Receive: sum the packets in rank order, then normalize, rotate, store.
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
-      const char* address =
-          x.workspace[x.rank] + packet_offset(slot, r, x.world_size, x.packet_bytes) + token * 16;
-      const Vec16 packet = poll_vector(address, x.timeout_ns, x.error_flag, x.rank, r);
+      const Vec16 packet = poll_vector(session.receive_region(r) + token * 16, x.timeout_ns,
+                                       x.error_flag, x.rank, r);
       if (r == 0) {
         accumulate_first<float>(sums, packet);
       } else {
@@ -125,28 +120,23 @@ void qk_rmsnorm(const QkNormParams& p, QkPass pass) {
     }
     normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }
-  control.slot_bytes[slot] = size_t(p.tokens) * 16;
-  control.slot = next_slot(slot);
+  session.arrive(size_t(p.tokens) * 16);
 }
 
 }  // namespace
 
-void cpu_qk_rmsnorm(const QkNormParams& params, DType dtype, QkPass pass) {
-  dispatch_dtype(dtype, [&](auto tag) { qk_rmsnorm<typename decltype(tag)::type>(params, pass); });
+void cpu_qk_rmsnorm(const QkCall& call, DType dtype, QkPass pass) {
+  dispatch_dtype(dtype, [&](auto tag) { qk_rmsnorm<typename decltype(tag)::type>(call, pass); });
 }
 
-}  // namespace tpfuse::impl
-
-namespace tpfuse::impl {
-
 // The NCCL path's stand-in: this rank's sums, a rank-ordered fp32 all-reduce of them, the norm.
-void cpu_qk_nccl_path(const TeamState& team, const QkNormParams& params, DType dtype) {
-  const int64_t rows = (2 * params.tokens + 3) / 4;  // 16-byte rows of 4 floats
+void cpu_qk_nccl_path(const QkCall& call, DType dtype) {
+  const int64_t rows = (2 * call.tokens + 3) / 4;  // 16-byte rows of 4 floats
   std::vector<float> sums(size_t(rows) * 4, 0.0f);
-  QkNormParams pass = params;
+  QkCall pass = call;
   pass.sums = sums.data();
   cpu_qk_rmsnorm(pass, dtype, QkPass::kSums);
-  cpu_allreduce_rows(team, sums.data(), sums.data(), rows, 4, DType::kFloat32);
+  cpu_allreduce_rows(call.exchange, sums.data(), sums.data(), rows, 4, DType::kFloat32);
   cpu_qk_rmsnorm(pass, dtype, QkPass::kNormFromSums);
 }
 

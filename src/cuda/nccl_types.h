@@ -3,7 +3,7 @@
 
 #include <nccl.h>
 
-#include "common/error.h"
+#include "core/error.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {

@@ -1,0 +1,113 @@
+// One call of the Lamport protocol (lamport.h) as a session: the steps every fused kernel and
+// the CPU backend take, written once. A backend supplies only a Coop: how its threads read and
+// write the control block, store the sentinel, spread work and count arrivals.
+//
+//   1. read the call state (slot, bytes to clear, failure) from this rank's control block;
+//   2. send into sender region `rank` of the call's slot of each receiver (the caller's loops);
+//   3. arrive: each participant, once done with the call state; the last one records what
+//      this call's slot received per sender and advances the slot index;
+//   4. clear the previous call's slot (every sender region but this rank's own);
+//   5. receive from this rank's slot (the caller's polls).
+// On the GPU a participant is a block and steps 3-4 follow launch_dependents; on the CPU the one
+// rank thread is the only participant.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tpfuse/impl/config.h"
+#include "tpfuse/impl/lamport.h"
+#include "tpfuse/limits.h"
+
+namespace tpfuse::impl {
+
+// The team side of every call: what a rank needs to exchange packets with its peers.
+struct Exchange {
+  // Base of every rank's workspace as this rank addresses it (peer pointers over NVLink on CUDA).
+  char* workspace[kMaxWorldSize];
+  ControlBlock* control;  // this rank's control block
+  // Nonzero once a call of this rank timed out: 1 + the rank that did not arrive. Readable by the
+  // host without synchronizing (host memory, mapped into the device on CUDA).
+  uint32_t* error_flag;
+  int rank;
+  int world_size;
+  size_t packet_bytes;  // one sender region of one slot
+  uint64_t timeout_ns;  // 0: wait forever
+};
+
+// What a call reads of its control block before it touches a slot.
+struct CallState {
+  uint32_t slot;
+  uint32_t failed;
+  uint64_t clear_bytes;  // bytes per sender the previous call's slot received
+};
+
+// Reads the call state. Coop::load picks the loads: volatile on the GPU (a previous grid wrote
+// the block), plain on the CPU (only this rank's thread touches it).
+template <typename Coop>
+TPF_HOST_DEVICE CallState read_call_state(const ControlBlock* control) {
+  CallState state;
+  state.slot = Coop::load(&control->slot);
+  state.failed = Coop::load(&control->error);
+  state.clear_bytes = Coop::load(&control->slot_bytes[slot_to_clear(state.slot)]);
+  return state;
+}
+
+// One call of one rank. kWorldSize > 0 binds the world size at compile time (0: x.world_size).
+template <typename Coop, int kWorldSize = 0>
+class LamportSession {
+ public:
+  TPF_HOST_DEVICE LamportSession(const Exchange& exchange, const CallState& state)
+      : x_(exchange), state_(state) {}
+
+  TPF_HOST_DEVICE int world() const { return kWorldSize > 0 ? kWorldSize : x_.world_size; }
+  TPF_HOST_DEVICE int rank() const { return x_.rank; }
+  TPF_HOST_DEVICE bool failed() const { return state_.failed != 0; }
+  TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
+
+  // Byte offset, inside any rank's workspace, of sender `sender`'s region of this call's slot.
+  TPF_HOST_DEVICE size_t region_offset(int sender) const {
+    return packet_offset(state_.slot, sender, world(), x_.packet_bytes);
+  }
+  // Where this rank's packet for `receiver` goes.
+  TPF_HOST_DEVICE char* send_region(int receiver) const {
+    return x_.workspace[receiver] + region_offset(x_.rank);
+  }
+  // Where sender `sender`'s packet arrives in this rank's workspace.
+  TPF_HOST_DEVICE const char* receive_region(int sender) const {
+    return x_.workspace[x_.rank] + region_offset(sender);
+  }
+
+  // Step 3, by one thread of each participant after it has read the call state.
+  TPF_HOST_DEVICE void arrive(uint64_t bytes_per_sender) const {
+    ControlBlock* const control = x_.control;
+    if (Coop::add_arrival(&control->arrivals) == Coop::participants() - 1) {
+      Coop::store(&control->arrivals, 0u);
+      Coop::store(&control->slot_bytes[state_.slot], bytes_per_sender);
+      Coop::store(&control->slot, next_slot(state_.slot));
+    }
+  }
+
+  // Step 4: re-fills the previous call's slot with the sentinel, spread over the Coop's
+  // threads. This rank's own region is left alone: nothing reads a word of it that the same
+  // call did not store (lamport.h).
+  TPF_HOST_DEVICE void clear_previous() const {
+    const int64_t per_sender = int64_t(state_.clear_bytes / 16);
+    const int64_t total = per_sender * (world() - 1);
+    char* base = x_.workspace[x_.rank] +
+                 packet_offset(slot_to_clear(state_.slot), 0, world(), x_.packet_bytes);
+    const int64_t stride = Coop::thread_count();
+    for (int64_t i = Coop::thread_index(); i < total; i += stride) {
+      const int64_t region = i / per_sender;
+      const int64_t sender = region >= x_.rank ? region + 1 : region;
+      Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x_.packet_bytes) +
+                           (i - region * per_sender));
+    }
+  }
+
+ private:
+  const Exchange& x_;
+  CallState state_;
+};
+
+}  // namespace tpfuse::impl

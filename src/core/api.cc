@@ -1,0 +1,311 @@
+// The public entry points: validate, choose the algorithm, then hand the call to the team's
+// backend (core/backend.h).
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/backend.h"
+#include "core/calls.h"
+#include "core/error.h"
+#include "core/selection.h"
+#include "core/team_state.h"
+#include "core/validate.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
+  }
+  return 0;
+}
+
+const char* norm_weight_name(NormWeight weight) {
+  switch (weight) {
+    case NormWeight::kGamma:
+      return "gamma";
+    case NormWeight::kOnePlusGamma:
+      return "one_plus_gamma";
+  }
+  return "unknown";
+}
+
+namespace {
+const impl::TeamState& state_of(const Team& team) {
+  if (team.state() == nullptr)
+    throw Error("tpfuse: the Team handle is empty (default-constructed)");
+  return *team.state();
+}
+}  // namespace
+
+int Team::rank() const {
+  return state_of(*this).rank();
+}
+int Team::world_size() const {
+  return state_of(*this).world_size();
+}
+Backend Team::backend() const {
+  return state_of(*this).ops->kind();
+}
+int Team::device() const {
+  return state_of(*this).device;
+}
+size_t Team::packet_bytes() const {
+  return state_of(*this).packet_bytes();
+}
+
+int64_t Team::max_tokens(int64_t hidden, DType dtype, Algorithm algorithm) const {
+  const impl::TeamState& state = state_of(*this);
+  if (hidden <= 0) return 0;
+  const size_t row_bytes = size_t(hidden) * dtype_size(dtype);
+  const int64_t oneshot = int64_t(state.packet_bytes() / row_bytes);
+  const int64_t twoshot =
+      impl::twoshot_max_tokens(state.world_size(), state.packet_bytes(), row_bytes);
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      return state.fused ? oneshot : 0;
+    case Algorithm::kTwoShot:
+      return state.fused ? twoshot : 0;
+    case Algorithm::kNccl:
+    case Algorithm::kAuto:
+      if (state.ops->has_nccl_path(state)) {
+        return std::numeric_limits<int64_t>::max();
+      }
+      return algorithm == Algorithm::kNccl || !state.fused ? 0 : std::max(oneshot, twoshot);
+  }
+  return 0;
+}
+
+Algorithm Team::choose(int64_t tokens, int64_t hidden, DType dtype, Algorithm requested) const {
+  const char* op = "Team::choose";
+  TPF_CHECK_ARG(tokens >= 0, op, "tokens must be >= 0, got " << tokens);
+  TPF_CHECK_ARG(hidden > 0, op, "hidden must be > 0, got " << hidden);
+  TPF_CHECK_ARG(impl::is_known(dtype), op, "dtype " << int(dtype) << " is unknown");
+  return impl::choose_algorithm(state_of(*this), tokens, hidden, dtype, requested, op);
+}
+
+const std::string& Team::fallback_reason() const {
+  return state_of(*this).fallback_reason;
+}
+
+const std::string& Team::peer_memory() const {
+  return state_of(*this).peer_memory;
+}
+
+void Team::check() const {
+  const impl::TeamState& state = state_of(*this);
+  state.ops->check(state);
+}
+
+namespace impl {
+
+std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int world_size,
+                                          const TeamOptions& options,
+                                          const std::string& device_name,
+                                          const std::string& fallback_reason,
+                                          const std::string& peer_memory) {
+  auto state = std::make_shared<TeamState>();
+  state->ops = &ops;
+  state->exchange.rank = rank;
+  state->exchange.world_size = world_size;
+  state->exchange.packet_bytes = options.packet_bytes;
+  state->exchange.timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
+  state->device_name = device_name;
+  state->selection = selection_for(device_name, world_size);
+  state->fused = fallback_reason.empty();
+  state->fallback_reason = fallback_reason;
+  state->peer_memory = peer_memory;
+  return state;
+}
+
+RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args) {
+  RowCall call{};
+  if (team != nullptr) call.exchange = team->exchange;
+  call.input = args.input;
+  call.residual = args.residual;
+  call.gamma = args.gamma;
+  call.residual_out = args.residual_out;
+  call.norm_out = args.norm_out;
+  call.tokens = args.tokens;
+  call.hidden = args.hidden;
+  call.eps = args.eps;
+  return call;
+}
+
+QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
+  QkCall call{};
+  if (team != nullptr) call.exchange = team->exchange;
+  const int64_t row = args.q_size + 2 * args.kv_size;
+  const size_t element = dtype_size(args.dtype);
+  call.qkv = args.qkv;
+  call.q_out = args.q_out != nullptr ? args.q_out : const_cast<void*>(args.qkv);
+  call.q_out_stride = args.q_out != nullptr ? args.q_size : row;
+  call.k_out = args.k_out != nullptr
+                   ? args.k_out
+                   : static_cast<char*>(const_cast<void*>(args.qkv)) + args.q_size * element;
+  call.k_out_stride = args.k_out != nullptr ? args.kv_size : row;
+  call.q_gamma = args.q_gamma;
+  call.k_gamma = args.k_gamma;
+  call.tokens = args.tokens;
+  call.q_size = args.q_size;
+  call.kv_size = args.kv_size;
+  call.q_global_size = args.q_global_size;
+  call.k_global_size = args.k_global_size;
+  call.counts_k = team == nullptr || team->rank() % args.kv_replicas == 0;
+  call.eps = args.eps;
+  call.rope = args.rope;
+  call.head_dim = args.head_dim;
+  call.rotary_dim = args.rotary_dim;
+  call.positions = args.positions;
+  call.cos_sin_cache = args.cos_sin_cache;
+  return call;
+}
+
+namespace {
+
+const TeamState& team_of(const Team& team, const char* op) {
+  TPF_CHECK_ARG(team.state() != nullptr, op, "team is an empty handle");
+  return *team.state();
+}
+
+Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
+                   cudaStream_t stream, const char* op) {
+  const TeamState& state = team_of(team, op);
+  validate_add_rmsnorm(args, epilogue, op);
+  const Algorithm algorithm =
+      choose_algorithm(state, args.tokens, args.hidden, args.dtype, args.algorithm, op);
+  state.ops->validate_call(&state,
+                           {{"input", args.input},
+                            {"residual", args.residual},
+                            {"gamma", args.gamma},
+                            {"residual_out", args.residual_out},
+                            {"norm_out", args.norm_out}},
+                           stream, op);
+  if (args.tokens == 0) return algorithm;  // every rank skips alike, no slot is used
+  const RowCall call = make_row_call(&state, args);
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      state.ops->oneshot(state, call, args.dtype, epilogue, stream);
+      break;
+    case Algorithm::kTwoShot:
+      state.ops->twoshot(state, call, args.dtype, epilogue, stream);
+      break;
+    default:
+      state.ops->nccl_path(state, call, args.dtype, epilogue, stream);
+      break;
+  }
+  return algorithm;
+}
+
+void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass pass,
+                  cudaStream_t stream, const char* op) {
+  validate_qk_args(args, op);
+  TPF_CHECK_ARG(call.sums != nullptr, op, "sums is null");
+  TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(call.sums) % 8 == 0, op, "sums must be 8-byte aligned");
+  const BackendOps& ops = require_backend(backend, op);
+  ops.validate_call(nullptr, {}, stream, op);
+  if (args.tokens == 0) return;
+  ops.qk_local(call, args.dtype, pass, stream);
+}
+
+}  // namespace
+}  // namespace impl
+
+Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
+  const impl::RowEpilogueKind epilogue{args.residual != nullptr, true, args.norm_weight};
+  return impl::run_rows(team, args, epilogue, stream, "allreduce_add_rmsnorm");
+}
+
+Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
+                    cudaStream_t stream, Algorithm algorithm) {
+  AddRmsNormArgs args;
+  args.input = input;
+  args.norm_out = out;
+  args.tokens = 1;
+  args.hidden = count;
+  args.dtype = dtype;
+  args.algorithm = algorithm;
+  // A flat message is carried as rows so that it spreads over many blocks: the widest row of
+  // at most kFlatRow elements (a multiple of kHiddenMultiple) that divides count. The sum does
+  // not depend on how rows are cut.
+  constexpr int64_t kFlatRow = 2048;
+  if (count > kFlatRow && count % kHiddenMultiple == 0) {
+    int64_t row = kFlatRow;
+    while (count % row != 0) row -= kHiddenMultiple;
+    args.hidden = row;
+    args.tokens = count / row;
+  }
+  return impl::run_rows(team, args, impl::SumEpilogue::kKind, stream, "allreduce");
+}
+
+Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
+  const char* op = "allreduce_qk_rmsnorm";
+  const impl::TeamState& state = impl::team_of(team, op);
+  impl::validate_qk_args(args, op);
+  const Algorithm algorithm = impl::choose_qk_algorithm(state, args, op);
+  impl::validate_qk_rmsnorm(state, args, algorithm, op);
+  state.ops->validate_call(&state,
+                           {{"qkv", args.qkv},
+                            {"q_out", args.q_out},
+                            {"k_out", args.k_out},
+                            {"q_gamma", args.q_gamma},
+                            {"k_gamma", args.k_gamma},
+                            {"positions", args.positions},
+                            {"cos_sin_cache", args.cos_sin_cache}},
+                           stream, op);
+  if (args.tokens == 0) return algorithm;
+  const impl::QkCall call = impl::make_qk_call(&state, args);
+  if (algorithm == Algorithm::kOneShot) {
+    state.ops->qk_oneshot(state, call, args.dtype, stream);
+  } else {
+    state.ops->qk_nccl_path(state, call, args.dtype, stream);
+  }
+  return algorithm;
+}
+
+void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
+                    cudaStream_t stream) {
+  impl::QkCall call = impl::make_qk_call(nullptr, args);
+  call.sums = sums;
+  call.counts_k = count_k;
+  impl::run_qk_local(backend, args, call, impl::QkPass::kSums, stream, "qk_sum_squares");
+}
+
+void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
+                          cudaStream_t stream) {
+  impl::QkCall call = impl::make_qk_call(nullptr, args);
+  call.sums = const_cast<float*>(sums);  // only read in this pass
+  impl::run_qk_local(backend, args, call, impl::QkPass::kNormFromSums, stream,
+                     "qk_rmsnorm_from_sums");
+}
+
+void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {
+  const char* op = "add_rmsnorm";
+  TPF_CHECK_ARG(args.residual != nullptr, op, "residual is null");
+  const impl::RowEpilogueKind epilogue{true, true, args.norm_weight};
+  impl::validate_add_rmsnorm(args, epilogue, op);
+  const impl::BackendOps& ops = impl::require_backend(backend, op);
+  ops.validate_call(nullptr, {}, stream, op);
+  if (args.tokens == 0) return;
+  ops.local_epilogue(impl::make_row_call(nullptr, args), args.dtype, epilogue, stream);
+}
+
+}  // namespace tpfuse

@@ -1,0 +1,96 @@
+// The backend seam: what a team's calls run on. The CPU backend (src/cpu/backend.cc) and the
+// CUDA backend (src/cuda/backend.cu) each provide one BackendOps; a team holds the one it was made
+// for, and the entry points (core/api.cc) call through it. src/core/registry.cc lists what this
+// build has: a build without CUDA or NCCL simply has fewer of them.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "core/calls.h"
+#include "core/team_state.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+struct NamedPointer {
+  const char* name;
+  const void* pointer;
+};
+
+class BackendOps {
+ public:
+  virtual ~BackendOps() = default;
+  virtual Backend kind() const = 0;
+
+  // Per-call checks of where the memory and the stream are, before any work (`team` null: a
+  // local call). Throws naming the argument.
+  virtual void validate_call(const TeamState* team, std::initializer_list<NamedPointer> pointers,
+                             cudaStream_t stream, const char* op) const = 0;
+
+  // Row calls: the two fused algorithms, the NCCL path (the all-reduce engine, then the local
+  // epilogue; on the CPU a stand-in with the same rounding), and the local epilogue alone.
+  virtual void oneshot(const TeamState& team, const RowCall& call, DType dtype,
+                       const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+  virtual void twoshot(const TeamState& team, const RowCall& call, DType dtype,
+                       const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+  virtual void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
+                         const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+  virtual void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                              cudaStream_t stream) const = 0;
+
+  // The QK norm: fused, through the NCCL path, and its local halves.
+  virtual void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
+                          cudaStream_t stream) const = 0;
+  virtual void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
+                            cudaStream_t stream) const = 0;
+  virtual void qk_local(const QkCall& call, DType dtype, QkPass pass,
+                        cudaStream_t stream) const = 0;
+
+  // Whether the team can run the NCCL path (the CPU's stand-in always can).
+  virtual bool has_nccl_path(const TeamState& team) const = 0;
+  // Team::check: throws if a call of this rank timed out waiting for a peer.
+  virtual void check(const TeamState& team) const = 0;
+};
+
+// Everything tpfuse takes from NCCL (src/cuda/nccl.cu): the all-reduce of the NCCL path, the
+// communicators of in-process teams, and multi-process teams (src/team/nccl_team.cu).
+class NcclSupport {
+ public:
+  virtual ~NcclSupport() = default;
+  virtual void allreduce(void* comm, const void* input, void* out, size_t count, DType dtype,
+                         cudaStream_t stream) const = 0;
+  // One communicator per device (ncclCommInitAll), connected; and their release.
+  virtual std::vector<void*> in_process_comms(const std::vector<int>& devices) const = 0;
+  virtual void destroy_comms(std::vector<void*>& comms) const = 0;
+  virtual UniqueId unique_id() const = 0;
+  virtual Team team_over(ncclComm_t comm, const TeamOptions& options) const = 0;
+  virtual Team team_from_id(const UniqueId& id, int rank, int world_size, int device,
+                            const TeamOptions& options) const = 0;
+};
+
+// In-process CUDA teams (src/team/cuda_team.cu).
+class CudaTeams {
+ public:
+  virtual ~CudaTeams() = default;
+  virtual int device_count() const = 0;
+  virtual std::vector<Team> in_process(const std::vector<int>& devices,
+                                       const TeamOptions& options) const = 0;
+};
+
+// Defined only in the builds that have them; src/core/registry.cc is the one place that asks.
+const BackendOps& cuda_backend_ops();   // src/cuda/backend.cu
+const CudaTeams& cuda_team_factory();   // src/team/cuda_team.cu
+const NcclSupport& nccl_support_ops();  // src/cuda/nccl.cu
+
+// What this build has (src/core/registry.cc): null where a part was not built.
+const BackendOps& cpu_backend();
+const BackendOps* cuda_backend();
+const CudaTeams* cuda_teams();
+const NcclSupport* nccl_support();
+// The backend of `kind`, or an error naming `op` and what the build lacks.
+const BackendOps& require_backend(Backend kind, const char* op);
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,61 @@
+// Internal: one parameter struct per call kind, passed by value to the kernels (and to the CPU
+// backend). The team side of a call is its Exchange, embedded.
+#pragma once
+
+#include <cstdint>
+
+#include "core/team_state.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/session.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+// A row call: all-reduce + a row epilogue (allreduce_add_rmsnorm, allreduce), or the epilogue
+// alone on one rank (add_rmsnorm, the NCCL path's local kernel: exchange unused).
+struct RowCall {
+  Exchange exchange;
+  const void* input;
+  const void* residual;
+  const void* gamma;
+  void* residual_out;
+  void* norm_out;  // the output of a plain sum
+  int64_t tokens;
+  int64_t hidden;
+  float eps;
+};
+
+// A QK-norm call (or one of its local halves).
+struct QkCall {
+  Exchange exchange;
+  const void* qkv;
+  void* q_out;  // row stride q_out_stride elements
+  void* k_out;  // row stride k_out_stride elements
+  int64_t q_out_stride;
+  int64_t k_out_stride;
+  const void* q_gamma;
+  const void* k_gamma;
+  int64_t tokens;
+  int64_t q_size;
+  int64_t kv_size;
+  int64_t q_global_size;
+  int64_t k_global_size;
+  int counts_k;  // 0 on ranks whose KV heads another rank already counts
+  float eps;
+  RopeStyle rope;
+  int64_t head_dim;
+  int64_t rotary_dim;
+  const int64_t* positions;
+  const float* cos_sin_cache;
+  float* sums;  // local halves only: [tokens, 2] written (kSums) or read (kNormFromSums)
+};
+
+// kFused: the whole protocol; kSums: this rank's sums into QkCall::sums; kNormFromSums: the norm
+// from global sums in QkCall::sums. The three share every arithmetic step.
+enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
+
+// `team` null: the local form (no exchange; counts_k = 1).
+RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args);
+QkCall make_qk_call(const TeamState* team, const QkNormArgs& args);
+
+}  // namespace tpfuse::impl

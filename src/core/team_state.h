@@ -1,0 +1,63 @@
+// Internal: what a Team handle points to.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tpfuse/impl/session.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+class BackendOps;
+
+// Owner of a team's memory (every rank's for in-process teams); frees it with the last handle.
+struct TeamMemory {
+  virtual ~TeamMemory() = default;
+};
+
+// One row of the selection table as it applies to a team: messages of at most max_bytes run
+// `algorithm`.
+struct SelectionStep {
+  uint64_t max_bytes;
+  Algorithm algorithm;
+};
+
+struct TeamState {
+  const BackendOps* ops = nullptr;  // the backend every call of this team runs on
+  Exchange exchange{};              // rank, world size, workspace, control block, timeout
+  int device = -1;                  // CUDA device ordinal (-1 on the CPU)
+  int multiprocessors = 0;          // CUDA: SM count of this rank's device
+  std::string device_name;          // e.g. "NVIDIA H200": the selection table's key
+  // The table's rows for this device and world size, in order (matched once, at creation).
+  std::vector<SelectionStep> selection;
+  // false when the fused kernels may not run (no proven peer stores): every op takes the NCCL
+  // path, and fallback_reason says why. The same on every rank.
+  bool fused = true;
+  std::string fallback_reason;
+  std::string peer_memory;
+  // CUDA teams with NCCL: this rank's communicator (ncclComm_t), and a [packet_bytes / 8, 2]
+  // fp32 device buffer for the QK norm's NCCL path.
+  void* nccl_comm = nullptr;
+  float* qk_sums = nullptr;
+  std::shared_ptr<TeamMemory> memory;
+
+  int rank() const { return exchange.rank; }
+  int world_size() const { return exchange.world_size; }
+  size_t packet_bytes() const { return exchange.packet_bytes; }
+};
+
+// A rank's state with what every team kind sets alike: the exchange from `options`, the
+// selection rows of `device_name`, and the fallback (fused when `fallback_reason` is empty).
+std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int world_size,
+                                          const TeamOptions& options,
+                                          const std::string& device_name,
+                                          const std::string& fallback_reason,
+                                          const std::string& peer_memory);
+
+void validate_team_options(const TeamOptions& options, const char* op);
+
+}  // namespace tpfuse::impl

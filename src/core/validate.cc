@@ -1,0 +1,239 @@
+// Argument checks shared by every backend: each throws tpfuse::Error naming the argument and what
+// was expected, before any work is queued.
+#include "core/validate.h"
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse::impl {
+
+bool is_known(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return true;
+  }
+  return false;
+}
+
+bool is_known(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::kAuto:
+    case Algorithm::kOneShot:
+    case Algorithm::kTwoShot:
+    case Algorithm::kNccl:
+      return true;
+  }
+  return false;
+}
+
+bool is_known(NormWeight weight) {
+  switch (weight) {
+    case NormWeight::kGamma:
+    case NormWeight::kOnePlusGamma:
+      return true;
+  }
+  return false;
+}
+
+bool is_known(RopeStyle style) {
+  switch (style) {
+    case RopeStyle::kNone:
+    case RopeStyle::kNeox:
+    case RopeStyle::kInterleaved:
+      return true;
+  }
+  return false;
+}
+
+namespace {
+
+bool is_aligned(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+// Two [bytes]-long ranges either coincide (in-place use) or do not overlap at all.
+bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return x == y || x + bytes <= y || y + bytes <= x;
+}
+
+}  // namespace
+
+void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
+                          const char* op) {
+  TPF_CHECK_ARG(is_known(args.dtype), op,
+                "dtype " << int(args.dtype) << " is not one of float32, float16, bfloat16");
+  TPF_CHECK_ARG(args.tokens >= 0, op, "tokens must be >= 0, got " << args.tokens);
+  TPF_CHECK_ARG(args.hidden > 0 && args.hidden % kHiddenMultiple == 0 && args.hidden <= kMaxHidden,
+                op,
+                (epilogue.norm ? "hidden" : "count")
+                    << " must be a positive multiple of " << kHiddenMultiple << " and at most "
+                    << kMaxHidden << ", got " << args.hidden);
+  TPF_CHECK_ARG(args.input != nullptr, op, "input is null");
+  TPF_CHECK_ARG(args.norm_out != nullptr, op, (epilogue.norm ? "norm_out" : "out") << " is null");
+  if (epilogue.norm) {
+    TPF_CHECK_ARG(args.gamma != nullptr, op, "gamma is null");
+    TPF_CHECK_ARG(std::isfinite(args.eps) && args.eps >= 0.0f, op,
+                  "eps must be finite and >= 0, got " << args.eps);
+  }
+  TPF_CHECK_ARG(is_known(args.norm_weight), op,
+                "norm_weight " << int(args.norm_weight) << " is not a NormWeight");
+  if (epilogue.residual) {
+    TPF_CHECK_ARG(args.residual_out != nullptr, op,
+                  "residual_out is null but a residual was given (it receives sum + residual)");
+  }
+  const std::pair<const char*, const void*> pointers[] = {{"input", args.input},
+                                                          {"residual", args.residual},
+                                                          {"gamma", args.gamma},
+                                                          {"residual_out", args.residual_out},
+                                                          {"norm_out", args.norm_out}};
+  for (const auto& [name, pointer] : pointers) {
+    TPF_CHECK_ARG(pointer == nullptr || is_aligned(pointer), op,
+                  name << " must be 16-byte aligned, got " << pointer);
+  }
+  const size_t bytes = size_t(args.tokens) * size_t(args.hidden) * dtype_size(args.dtype);
+  const std::pair<const char*, const void*> inputs[] = {{"input", args.input},
+                                                        {"residual", args.residual}};
+  const std::pair<const char*, void*> outputs[] = {{"residual_out", args.residual_out},
+                                                   {"norm_out", args.norm_out}};
+  for (const auto& [out_name, out] : outputs) {
+    if (out == nullptr) continue;
+    for (const auto& [in_name, in] : inputs) {
+      TPF_CHECK_ARG(in == nullptr || same_or_disjoint(out, in, bytes), op,
+                    out_name << " partially overlaps " << in_name
+                             << ": an output must be the same tensor as an input or disjoint");
+    }
+  }
+  if (args.residual_out != nullptr) {
+    TPF_CHECK_ARG(args.residual_out == args.norm_out ||
+                      same_or_disjoint(args.residual_out, args.norm_out, bytes),
+                  op, "residual_out partially overlaps norm_out");
+    TPF_CHECK_ARG(args.residual_out != args.norm_out, op,
+                  "residual_out and norm_out are the same tensor");
+  }
+}
+
+Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& a, const char* op) {
+  TPF_CHECK_ARG(is_known(a.algorithm), op,
+                "algorithm " << int(a.algorithm) << " is not an Algorithm");
+  TPF_CHECK_ARG(a.algorithm != Algorithm::kTwoShot, op,
+                "algorithm twoshot is not offered for the QK norm (its packets are 16 bytes a "
+                "token): use auto, oneshot or nccl");
+  const bool has_nccl = team.ops->has_nccl_path(team);
+  const bool fits = a.tokens >= 0 && size_t(a.tokens) * sizeof(Vec16) <= team.packet_bytes();
+  if (a.algorithm == Algorithm::kNccl) {
+    TPF_CHECK_ARG(has_nccl, op,
+                  "algorithm nccl needs NCCL, which this build or team does not have");
+    return Algorithm::kNccl;
+  }
+  if (a.algorithm == Algorithm::kOneShot || !has_nccl) {
+    TPF_CHECK_ARG(team.fused, op,
+                  "the fused kernel needs peer stores, which this team does not use: "
+                      << team.fallback_reason);
+    TPF_CHECK_ARG(fits, op,
+                  "tokens " << a.tokens << " need " << size_t(a.tokens) * sizeof(Vec16)
+                            << " packet bytes, over the team's " << team.packet_bytes());
+    return Algorithm::kOneShot;
+  }
+  return team.fused && fits ? Algorithm::kOneShot : Algorithm::kNccl;
+}
+
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, Algorithm algorithm,
+                         const char* op) {
+  TPF_CHECK_ARG(
+      a.kv_replicas >= 1 && team.world_size() % a.kv_replicas == 0, op,
+      "kv_replicas must divide the world size " << team.world_size() << ", got " << a.kv_replicas);
+  if (algorithm == Algorithm::kNccl && team.qk_sums != nullptr) {
+    TPF_CHECK_ARG(size_t(a.tokens) * 8 <= team.packet_bytes(), op,
+                  "tokens " << a.tokens << " need " << size_t(a.tokens) * 8
+                            << " bytes of sums, over the team's NCCL scratch of "
+                            << team.packet_bytes());
+  }
+}
+
+void validate_qk_args(const QkNormArgs& a, const char* op) {
+  TPF_CHECK_ARG(is_known(a.dtype), op,
+                "dtype " << int(a.dtype) << " is not one of float32, float16, bfloat16");
+  TPF_CHECK_ARG(a.tokens >= 0, op, "tokens must be >= 0, got " << a.tokens);
+  TPF_CHECK_ARG(
+      a.q_size > 0 && a.q_size % kHiddenMultiple == 0, op,
+      "q_size must be a positive multiple of " << kHiddenMultiple << ", got " << a.q_size);
+  TPF_CHECK_ARG(
+      a.kv_size > 0 && a.kv_size % kHiddenMultiple == 0, op,
+      "kv_size must be a positive multiple of " << kHiddenMultiple << ", got " << a.kv_size);
+  TPF_CHECK_ARG((a.q_size + a.kv_size) * int64_t(dtype_size(a.dtype)) <= kMaxQkWidth * 2, op,
+                "q_size + kv_size must be at most "
+                    << kMaxQkWidth * 2 / int64_t(dtype_size(a.dtype)) << " elements of "
+                    << dtype_name(a.dtype) << ", got " << a.q_size + a.kv_size);
+  TPF_CHECK_ARG(a.q_global_size >= a.q_size, op,
+                "q_global_size must be >= q_size (" << a.q_size << "), got " << a.q_global_size);
+  TPF_CHECK_ARG(a.k_global_size >= a.kv_size, op,
+                "k_global_size must be >= kv_size (" << a.kv_size << "), got " << a.k_global_size);
+  TPF_CHECK_ARG(std::isfinite(a.eps) && a.eps >= 0.0f, op,
+                "eps must be finite and >= 0, got " << a.eps);
+  TPF_CHECK_ARG(a.qkv != nullptr, op, "qkv is null");
+  TPF_CHECK_ARG(a.q_gamma != nullptr, op, "q_gamma is null");
+  TPF_CHECK_ARG(a.k_gamma != nullptr, op, "k_gamma is null");
+  const std::pair<const char*, const void*> pointers[] = {{"qkv", a.qkv},
+                                                          {"q_out", a.q_out},
+                                                          {"k_out", a.k_out},
+                                                          {"q_gamma", a.q_gamma},
+                                                          {"k_gamma", a.k_gamma}};
+  for (const auto& [name, pointer] : pointers) {
+    TPF_CHECK_ARG(pointer == nullptr || is_aligned(pointer), op,
+                  name << " must be 16-byte aligned, got " << pointer);
+  }
+  const size_t element = dtype_size(a.dtype);
+  const size_t qkv_bytes = size_t(a.tokens) * size_t(a.q_size + 2 * a.kv_size) * element;
+  const auto disjoint = [](const void* x, size_t x_bytes, const void* y, size_t y_bytes) {
+    const auto p = reinterpret_cast<uintptr_t>(x);
+    const auto q = reinterpret_cast<uintptr_t>(y);
+    return p + x_bytes <= q || q + y_bytes <= p;
+  };
+  const size_t q_bytes = size_t(a.tokens) * size_t(a.q_size) * element;
+  const size_t k_bytes = size_t(a.tokens) * size_t(a.kv_size) * element;
+  TPF_CHECK_ARG(a.q_out == nullptr || disjoint(a.q_out, q_bytes, a.qkv, qkv_bytes), op,
+                "q_out overlaps qkv: pass q_out = nullptr to write in place");
+  TPF_CHECK_ARG(a.k_out == nullptr || disjoint(a.k_out, k_bytes, a.qkv, qkv_bytes), op,
+                "k_out overlaps qkv: pass k_out = nullptr to write in place");
+  TPF_CHECK_ARG(
+      a.q_out == nullptr || a.k_out == nullptr || disjoint(a.q_out, q_bytes, a.k_out, k_bytes), op,
+      "q_out overlaps k_out");
+  TPF_CHECK_ARG(is_known(a.rope), op, "rope " << int(a.rope) << " is not a RopeStyle");
+  if (a.rope != RopeStyle::kNone) {
+    TPF_CHECK_ARG(a.head_dim > 0 && a.q_size % a.head_dim == 0 && a.kv_size % a.head_dim == 0, op,
+                  "head_dim must divide q_size (" << a.q_size << ") and kv_size (" << a.kv_size
+                                                  << "), got " << a.head_dim);
+    TPF_CHECK_ARG(a.rotary_dim >= 2 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.head_dim, op,
+                  "rotary_dim must be even and in [2, head_dim = " << a.head_dim << "], got "
+                                                                   << a.rotary_dim);
+    TPF_CHECK_ARG(a.q_size + a.kv_size <= kMaxQkRopeWidth, op,
+                  "q_size + kv_size must be at most " << kMaxQkRopeWidth << " with RoPE, got "
+                                                      << a.q_size + a.kv_size);
+    TPF_CHECK_ARG(a.positions != nullptr, op, "positions is null but rope is set");
+    TPF_CHECK_ARG(a.cos_sin_cache != nullptr, op, "cos_sin_cache is null but rope is set");
+    TPF_CHECK_ARG(a.max_position > 0, op, "max_position must be > 0, got " << a.max_position);
+    TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(a.positions) % 8 == 0, op,
+                  "positions must be 8-byte aligned");
+    TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(a.cos_sin_cache) % 4 == 0, op,
+                  "cos_sin_cache must be 4-byte aligned");
+  }
+}
+
+void validate_team_options(const TeamOptions& options, const char* op) {
+  TPF_CHECK_ARG(
+      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
+      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
+  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
+                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+}
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,23 @@
+// Argument checks shared by every backend (core/validate.cc).
+#pragma once
+
+#include "core/team_state.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+bool is_known(DType dtype);
+bool is_known(Algorithm algorithm);
+bool is_known(NormWeight weight);
+bool is_known(RopeStyle style);
+
+void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
+                          const char* op);
+void validate_qk_args(const QkNormArgs& args, const char* op);
+// After validate_qk_args: what depends on the team and the algorithm it runs.
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& args, Algorithm algorithm,
+                         const char* op);
+Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& args, const char* op);
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,67 @@
+// The CPU backend's BackendOps: ranks are threads of one process, calls block the calling rank
+// thread, and there is no stream.
+#include "core/backend.h"
+#include "core/error.h"
+#include "cpu/kernels.h"
+
+namespace tpfuse::impl {
+namespace {
+
+class CpuBackend final : public BackendOps {
+ public:
+  Backend kind() const override { return Backend::kCpu; }
+
+  void validate_call(const TeamState* team, std::initializer_list<NamedPointer>,
+                     cudaStream_t stream, const char* op) const override {
+    TPF_CHECK_ARG(
+        stream == nullptr, op,
+        "stream must be null for " << (team != nullptr ? "a CPU-backend team" : "the CPU backend"));
+  }
+
+  void oneshot(const TeamState&, const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+               cudaStream_t) const override {
+    cpu_oneshot(call, dtype, epilogue);
+  }
+  void twoshot(const TeamState&, const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+               cudaStream_t) const override {
+    cpu_twoshot(call, dtype, epilogue);
+  }
+  void nccl_path(const TeamState&, const RowCall& call, DType dtype,
+                 const RowEpilogueKind& epilogue, cudaStream_t) const override {
+    cpu_nccl_path(call, dtype, epilogue);
+  }
+  void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                      cudaStream_t) const override {
+    cpu_local_epilogue(call, dtype, epilogue);
+  }
+
+  void qk_oneshot(const TeamState&, const QkCall& call, DType dtype, cudaStream_t) const override {
+    cpu_qk_rmsnorm(call, dtype, QkPass::kFused);
+  }
+  void qk_nccl_path(const TeamState&, const QkCall& call, DType dtype,
+                    cudaStream_t) const override {
+    cpu_qk_nccl_path(call, dtype);
+  }
+  void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t) const override {
+    cpu_qk_rmsnorm(call, dtype, pass);
+  }
+
+  bool has_nccl_path(const TeamState&) const override { return true; }
+
+  void check(const TeamState& team) const override {
+    const uint32_t error = __atomic_load_n(team.exchange.error_flag, __ATOMIC_ACQUIRE);
+    if (error != 0) {
+      TPF_FAIL("rank " << team.rank() << ": a call timed out waiting for rank " << error - 1
+                       << "; the team is failed");
+    }
+  }
+};
+
+}  // namespace
+
+const BackendOps& cpu_backend() {
+  static const CpuBackend backend;
+  return backend;
+}
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,26 @@
+// The CPU backend's calls (cpu/rows.cc, cpu/qknorm.cc); cpu/backend.cc binds them to BackendOps.
+#pragma once
+
+#include <cstdint>
+
+#include "core/calls.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+void cpu_oneshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+void cpu_twoshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+// The NCCL path's stand-in, with its rounding: a rank-ordered all-reduce rounded to dtype
+// (one-shot exchanges of at most the workspace's capacity), then the local epilogue.
+void cpu_nccl_path(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+// Rank-ordered all-reduce of rows x row_elements (row bytes a multiple of 16), rounded to dtype,
+// in one-shot exchanges of at most the workspace's capacity.
+void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, int64_t rows,
+                        int64_t row_elements, DType dtype);
+
+void cpu_qk_rmsnorm(const QkCall& call, DType dtype, QkPass pass);
+void cpu_qk_nccl_path(const QkCall& call, DType dtype);
+
+}  // namespace tpfuse::impl

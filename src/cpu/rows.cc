@@ -1,0 +1,245 @@
+// The CPU backend's row calls: one-shot, two-shot, the local epilogue and the NCCL path's
+// stand-in. Ranks are threads of one process over host memory; each call is a Lamport session
+// (tpfuse/impl/session.h) with the epilogues of tpfuse/impl/epilogue.h, the same steps and math
+// the CUDA kernels run, with one thread in place of a grid.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "cpu/exchange.h"
+#include "cpu/kernels.h"
+#include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+
+namespace tpfuse::impl {
+namespace {
+
+Vec16 load_plain(const void* base, int64_t vector_index) {
+  Vec16 v;
+  std::memcpy(&v, static_cast<const char*>(base) + vector_index * 16, 16);
+  return v;
+}
+
+void store_plain(void* base, int64_t vector_index, const Vec16& v) {
+  std::memcpy(static_cast<char*>(base) + vector_index * 16, &v, 16);
+}
+
+template <typename T>
+using Lanes = float[Packed<T>::kElements];
+
+template <typename T>
+Lanes<T>& lanes_at(std::vector<float>& acc, int64_t vector) {
+  return *reinterpret_cast<Lanes<T>*>(&acc[vector * Packed<T>::kElements]);
+}
+
+// The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector. on_rounded(v,
+// vector) sees each rounded vector (residual_out's, or out's for a plain sum) as it is stored:
+// the two-shot owner sends it to its peers.
+template <typename T, typename Epilogue, typename OnRounded>
+void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token, OnRounded&& on_rounded) {
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const int64_t row = token * vectors;
+  float sum_squares = 0.0f;
+  for (int64_t v = 0; v < vectors; ++v) {
+    const Vec16 residual = Epilogue::kHasResidual ? load_plain(p.residual, row + v) : Vec16{};
+    const Vec16 rounded =
+        Epilogue::template round_sum<T>(lanes_at<T>(acc, v), residual, sum_squares);
+    void* destination = Epilogue::kHasNorm ? p.residual_out : p.norm_out;
+    if (destination != nullptr) store_plain(destination, row + v, rounded);
+    on_rounded(v, rounded);
+  }
+  if constexpr (Epilogue::kHasNorm) {
+    const float scale = rms_scale(sum_squares, p.hidden, p.eps);
+    for (int64_t v = 0; v < vectors; ++v) {
+      store_plain(
+          p.norm_out, row + v,
+          Epilogue::template normalize<T>(lanes_at<T>(acc, v), load_plain(p.gamma, v), scale));
+    }
+  }
+}
+
+template <typename T, typename Epilogue>
+void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token) {
+  finish_row<T, Epilogue>(acc, p, token, [](int64_t, const Vec16&) {});
+}
+
+// Sums, in rank order into acc, `vectors` packet vectors at `offset` of every other sender's
+// region of this rank's slot (polling each until it has arrived) and this rank's own row, read
+// from its input at vector `own_vector` with sentinel words rewritten as a peer receives them.
+template <typename T>
+void receive_row(const CpuSession& session, const RowCall& p, size_t offset, int64_t own_vector,
+                 int64_t vectors, std::vector<float>& acc) {
+  const Exchange& x = p.exchange;
+  for (int64_t v = 0; v < vectors; ++v) {
+    Lanes<T>& lanes = lanes_at<T>(acc, v);
+    for (int r = 0; r < x.world_size; ++r) {
+      const Vec16 packet = r == x.rank ? rewrite_sentinel(load_plain(p.input, own_vector + v))
+                                       : poll_vector(session.receive_region(r) + offset + v * 16,
+                                                     x.timeout_ns, x.error_flag, x.rank, r);
+      if (r == 0) {
+        accumulate_first<T>(lanes, packet);
+      } else {
+        accumulate<T>(lanes, packet);
+      }
+    }
+  }
+}
+
+// Stores `vectors` vectors of `source` (sentinel words rewritten) at `offset` of this rank's
+// sender region of the call's slot in rank `receiver`'s workspace.
+void send_row(const CpuSession& session, int receiver, size_t offset, const void* source,
+              int64_t first_vector, int64_t vectors) {
+  char* base = session.send_region(receiver) + offset;
+  for (int64_t v = 0; v < vectors; ++v) {
+    store_vector(base + v * 16, rewrite_sentinel(load_plain(source, first_vector + v)));
+  }
+}
+
+template <typename T, typename Epilogue>
+void oneshot(const RowCall& p) {
+  const CpuSession session = begin_session(p.exchange);
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+
+  // Send: this rank's packet, sentinel words rewritten, into every other rank's slot.
+  for (int r = 0; r < session.world(); ++r) {
+    if (r != session.rank()) send_row(session, r, 0, p.input, 0, p.tokens * vectors);
+  }
+  session.clear_previous();
+
+  // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    receive_row<T>(session, p, size_t(token) * row_bytes, token * vectors, vectors, acc);
+    finish_row<T, Epilogue>(acc, p, token);
+  }
+  session.arrive(uint64_t(p.tokens) * row_bytes);
+}
+
+// Two-shot (tpfuse/impl/lamport.h): reduce-scatter the input rows to their owners, finish the
+// owned rows and all-gather them rounded, finish the rows received rounded.
+template <typename T, typename Epilogue>
+void twoshot(const RowCall& p) {
+  const CpuSession session = begin_session(p.exchange);
+  const int rank = session.rank();
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+  const TwoShotLayout layout(p.tokens, session.world());
+
+  // Reduce-scatter: each input row to the rank that owns its token (its own rows stay in its
+  // input).
+  for (int owner = 0; owner < session.world(); ++owner) {
+    if (owner == rank) continue;
+    for (int64_t local = 0; local < layout.count(owner); ++local) {
+      send_row(session, owner, layout.scatter_row(local, row_bytes), p.input,
+               (layout.begin(owner) + local) * vectors, vectors);
+    }
+  }
+  session.clear_previous();
+
+  // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t local = 0; local < layout.count(rank); ++local) {
+    receive_row<T>(session, p, layout.scatter_row(local, row_bytes),
+                   (layout.begin(rank) + local) * vectors, vectors, acc);
+    finish_row<T, Epilogue>(
+        acc, p, layout.begin(rank) + local, [&](int64_t v, const Vec16& rounded) {
+          for (int r = 0; r < session.world(); ++r) {
+            if (r == rank) continue;
+            store_vector(session.send_region(r) + layout.gather_row(local, row_bytes) + v * 16,
+                         rounded);
+          }
+        });
+  }
+
+  // Rows other ranks own arrive rounded: finish them exactly as their owner did.
+  const Exchange& x = p.exchange;
+  for (int owner = 0; owner < session.world(); ++owner) {
+    if (owner == rank) continue;
+    const char* base = session.receive_region(owner);
+    for (int64_t local = 0; local < layout.count(owner); ++local) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        const Vec16 packet = poll_vector(base + layout.gather_row(local, row_bytes) + v * 16,
+                                         x.timeout_ns, x.error_flag, rank, owner);
+        accumulate_first<T>(lanes_at<T>(acc, v), packet);
+      }
+      finish_row<T, typename Epilogue::Gathered>(acc, p, layout.begin(owner) + local);
+    }
+  }
+  session.arrive(layout.sender_bytes(row_bytes));
+}
+
+template <typename T, typename Epilogue>
+void local_epilogue(const RowCall& p) {
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  std::vector<float> acc(size_t(p.hidden));
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      accumulate_first<T>(lanes_at<T>(acc, v), load_plain(p.input, token * vectors + v));
+    }
+    finish_row<T, Epilogue>(acc, p, token);
+  }
+}
+
+// Binds dtype and epilogue and calls fn(T, Epilogue).
+template <typename Fn>
+void dispatch_row(DType dtype, const RowEpilogueKind& kind, Fn&& fn) {
+  dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    const bool found = dispatch_epilogue_in(RowEpilogues{}, kind,
+                                            [&](auto epilogue) { fn(TypeTag<T>{}, epilogue); });
+    if (!found) TPF_FAIL("no row epilogue for this combination");  // validate_* rule it out
+  });
+}
+
+}  // namespace
+
+void cpu_oneshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  dispatch_row(dtype, epilogue, [&](auto type_tag, auto epilogue_tag) {
+    oneshot<typename decltype(type_tag)::type, decltype(epilogue_tag)>(call);
+  });
+}
+
+void cpu_twoshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  dispatch_row(dtype, epilogue, [&](auto type_tag, auto epilogue_tag) {
+    twoshot<typename decltype(type_tag)::type, decltype(epilogue_tag)>(call);
+  });
+}
+
+void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  dispatch_row(dtype, epilogue, [&](auto type_tag, auto epilogue_tag) {
+    local_epilogue<typename decltype(type_tag)::type, decltype(epilogue_tag)>(call);
+  });
+}
+
+void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, int64_t rows,
+                        int64_t row_elements, DType dtype) {
+  const size_t row_bytes = size_t(row_elements) * dtype_size(dtype);
+  const int64_t chunk = std::max<int64_t>(1, int64_t(exchange.packet_bytes / row_bytes));
+  for (int64_t first = 0; first < rows; first += chunk) {
+    RowCall sum{};
+    sum.exchange = exchange;
+    sum.input = static_cast<const char*>(input) + size_t(first) * row_bytes;
+    sum.norm_out = static_cast<char*>(out) + size_t(first) * row_bytes;
+    sum.tokens = std::min(chunk, rows - first);
+    sum.hidden = row_elements;
+    cpu_oneshot(sum, dtype, SumEpilogue::kKind);
+  }
+}
+
+void cpu_nccl_path(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  if (!epilogue.norm) {
+    cpu_allreduce_rows(call.exchange, call.input, call.norm_out, call.tokens, call.hidden, dtype);
+    return;
+  }
+  // The sum, rounded to dtype as NCCL delivers it, then the local epilogue on it.
+  std::vector<Vec16> sum(size_t(call.tokens * call.hidden) * dtype_size(dtype) / 16);
+  cpu_allreduce_rows(call.exchange, call.input, sum.data(), call.tokens, call.hidden, dtype);
+  RowCall local = call;
+  local.input = sum.data();
+  cpu_local_epilogue(local, dtype, epilogue);
+}
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,148 @@
+// The CUDA backend's BackendOps: per-call checks of devices and streams, the fused kernels, and
+// the NCCL path (ncclAllReduce through core/backend.h's NcclSupport, then the local kernels).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "cuda/kernels.h"
+#include "cuda/launch.cuh"
+
+namespace tpfuse::impl {
+
+void cuda_check(const TeamState& team) {
+  int previous = 0;
+  TPF_CHECK_CUDA(cudaGetDevice(&previous));
+  TPF_CHECK_CUDA(cudaSetDevice(team.device));
+  const cudaError_t status = cudaDeviceSynchronize();
+  cudaSetDevice(previous);
+  TPF_CHECK_CUDA(status);
+  const uint32_t error = *reinterpret_cast<volatile uint32_t*>(team.exchange.error_flag);
+  if (error != 0) {
+    TPF_FAIL("rank " << team.rank() << " (device " << team.device << "): a call timed out "
+                     << "waiting for rank " << error - 1 << "'s packet; the team is failed, "
+                     << "create a new one");
+  }
+}
+
+void cuda_preload_kernels(int world_size) {
+  cuda_preload_oneshot_kernels(world_size);
+  cuda_preload_twoshot_kernels(world_size);
+  cuda_preload_local_kernels();
+  cuda_preload_qk_kernels(world_size);
+}
+
+namespace {
+
+const NcclSupport& nccl_of(const TeamState& team, const char* op) {
+  if (nccl_support() == nullptr || team.nccl_comm == nullptr) {
+    TPF_FAIL(op << ": the NCCL path needs NCCL, which this build or team does not have");
+  }
+  return *nccl_support();
+}
+
+class CudaBackend final : public BackendOps {
+ public:
+  Backend kind() const override { return Backend::kCuda; }
+
+  // Local calls (no team) are not checked here: they run on whatever device is current.
+  void validate_call(const TeamState* team, std::initializer_list<NamedPointer> pointers,
+                     cudaStream_t stream, const char* op) const override {
+    if (team == nullptr) return;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (stream != nullptr) TPF_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+    // A capturing stream cannot be asked its device; the launch onto it (made on the team's
+    // device) fails with a CUDA error if the stream belongs to another device.
+    if (stream != nullptr && capture == cudaStreamCaptureStatusNone) {
+      int stream_device = -1;
+      TPF_CHECK_CUDA(cudaStreamGetDevice(stream, &stream_device));
+      TPF_CHECK_ARG(stream_device == team->device, op,
+                    "stream belongs to device " << stream_device << " but team rank "
+                                                << team->rank() << " is on device "
+                                                << team->device);
+    }
+    for (const NamedPointer& argument : pointers) {
+      if (argument.pointer == nullptr) continue;
+      cudaPointerAttributes attributes{};
+      TPF_CHECK_CUDA(cudaPointerGetAttributes(&attributes, argument.pointer));
+      const bool device_memory =
+          attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+      TPF_CHECK_ARG(
+          device_memory &&
+              (attributes.type == cudaMemoryTypeManaged || attributes.device == team->device),
+          op,
+          argument.name << " must be device memory on device " << team->device << " (rank "
+                        << team->rank() << "), got "
+                        << (device_memory ? "memory of device " + std::to_string(attributes.device)
+                                          : std::string("host memory")));
+    }
+  }
+
+  void oneshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
+    cuda_oneshot(team, call, dtype, epilogue, stream);
+  }
+  void twoshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
+    cuda_twoshot(team, call, dtype, epilogue, stream);
+  }
+
+  void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
+                 const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
+    const NcclSupport& nccl = nccl_of(team, "allreduce_add_rmsnorm");
+    DeviceGuard guard(team.device);
+    const size_t count = size_t(call.tokens) * size_t(call.hidden);
+    if (!epilogue.norm) {
+      nccl.allreduce(team.nccl_comm, call.input, call.norm_out, count, dtype, stream);
+      return;
+    }
+    // The sum lands in an output that is not the residual (outputs coincide with an input or are
+    // disjoint from it, and residual_out != norm_out), then the local epilogue reads it from
+    // there: each thread reads its vectors of a row before it writes them.
+    void* sum = call.norm_out != call.residual ? call.norm_out : call.residual_out;
+    nccl.allreduce(team.nccl_comm, call.input, sum, count, dtype, stream);
+    RowCall local = call;
+    local.input = sum;
+    cuda_local_epilogue(local, dtype, epilogue, stream);
+  }
+
+  void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                      cudaStream_t stream) const override {
+    cuda_local_epilogue(call, dtype, epilogue, stream);
+  }
+
+  void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
+                  cudaStream_t stream) const override {
+    cuda_qk_rmsnorm(team, call, dtype, stream);
+  }
+
+  void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
+                    cudaStream_t stream) const override {
+    const NcclSupport& nccl = nccl_of(team, "allreduce_qk_rmsnorm");
+    DeviceGuard guard(team.device);
+    QkCall pass = call;
+    pass.sums = team.qk_sums;
+    cuda_qk_local(pass, dtype, QkPass::kSums, stream);
+    nccl.allreduce(team.nccl_comm, pass.sums, pass.sums, size_t(2 * call.tokens), DType::kFloat32,
+                   stream);
+    cuda_qk_local(pass, dtype, QkPass::kNormFromSums, stream);
+  }
+
+  void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream) const override {
+    cuda_qk_local(call, dtype, pass, stream);
+  }
+
+  bool has_nccl_path(const TeamState& team) const override { return team.nccl_comm != nullptr; }
+
+  void check(const TeamState& team) const override { cuda_check(team); }
+};
+
+}  // namespace
+
+const BackendOps& cuda_backend_ops() {
+  static const CudaBackend backend;
+  return backend;
+}
+
+}  // namespace tpfuse::impl

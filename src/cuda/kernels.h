@@ -1,0 +1,34 @@
+// The CUDA backend's launchers (src/cuda/*.cu); cuda/backend.cu binds them to BackendOps.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "core/calls.h"
+#include "core/team_state.h"
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+void cuda_oneshot(const TeamState& team, const RowCall& call, DType dtype,
+                  const RowEpilogueKind& epilogue, cudaStream_t stream);
+void cuda_twoshot(const TeamState& team, const RowCall& call, DType dtype,
+                  const RowEpilogueKind& epilogue, cudaStream_t stream);
+void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                         cudaStream_t stream);
+void cuda_qk_rmsnorm(const TeamState& team, const QkCall& call, DType dtype, cudaStream_t stream);
+void cuda_qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream);
+
+// Load every kernel a team of this world size may launch, on the current device: CUDA loads
+// kernels lazily, and a load can wait for the device to go idle while a kernel of this rank
+// spins on a peer whose host thread is itself blocked loading one (launch.cuh, preload).
+void cuda_preload_kernels(int world_size);
+void cuda_preload_oneshot_kernels(int world_size);
+void cuda_preload_twoshot_kernels(int world_size);
+void cuda_preload_local_kernels();
+void cuda_preload_qk_kernels(int world_size);
+
+// Team::check for a CUDA rank: synchronizes its device, then reports a peer that timed out.
+void cuda_check(const TeamState& team);
+
+}  // namespace tpfuse::impl

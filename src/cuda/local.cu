@@ -1,0 +1,73 @@
+// The local fused epilogue kernel (no collective): add + RMSNorm, or RMSNorm, of one rank's rows.
+// add_rmsnorm runs it, and the NCCL path runs it on the all-reduced sum.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/calls.h"
+#include "core/error.h"
+#include "cuda/device_ops.cuh"
+#include "cuda/kernels.h"
+#include "cuda/launch.cuh"
+#include "cuda/row_launch.cuh"
+#include "cuda/rows.cuh"
+#include "tpfuse/impl/epilogue.h"
+
+namespace tpfuse::impl {
+namespace {
+
+template <typename T, typename Epilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCall p) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  __shared__ float shared_sums[33];
+  grid_dependency_wait();
+  launch_dependents();
+  Vec16 gamma[kVecsPerThread];
+  load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 input[kVecsPerThread], residual[kVecsPerThread];
+    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    if constexpr (Epilogue::kHasResidual) {
+      load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
+    }
+    float acc[kVecsPerThread][kElements];
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
+    }
+    finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
+                                            NoSend{});
+  }
+}
+
+// The world size does not matter to a local kernel: row tags of world 1 (the runtime path) name
+// each instantiation once.
+constexpr int kLocalWorld = 1;
+
+}  // namespace
+
+void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                         cudaStream_t stream) {
+  TPF_CHECK_ARG(epilogue.norm, "local epilogue", "a plain sum has no local epilogue");
+  const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
+  const int blocks = int(std::min<int64_t>(call.tokens, 65535));
+  dispatch_row_kernel(dtype, kLocalWorld, epilogue, shape, [&](auto kernel_tag) {
+    using Tag = decltype(kernel_tag);
+    if constexpr (Tag::Epilogue::kHasNorm) {
+      launch(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>, blocks,
+             shape.threads, 0, stream, call);
+    }
+  });
+}
+
+void cuda_preload_local_kernels() {
+  for_each_row_kernel(kLocalWorld, [](auto kernel_tag) {
+    using Tag = decltype(kernel_tag);
+    if constexpr (Tag::Epilogue::kHasNorm) {
+      preload(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);
+    }
+  });
+}
+
+}  // namespace tpfuse::impl

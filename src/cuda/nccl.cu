@@ -1,0 +1,84 @@
+// Everything tpfuse takes from NCCL, behind core/backend.h's NcclSupport: the all-reduce of the
+// NCCL path, the communicators of in-process teams, the bootstrap id, and multi-process teams
+// (created in src/team/nccl_team.cu).
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "cuda/nccl_types.h"
+#include "team/teams.h"
+
+namespace tpfuse::impl {
+namespace {
+
+class Nccl final : public NcclSupport {
+ public:
+  void allreduce(void* comm, const void* input, void* out, size_t count, DType dtype,
+                 cudaStream_t stream) const override {
+    TPF_CHECK_NCCL(ncclAllReduce(input, out, count, nccl_type(dtype), ncclSum,
+                                 static_cast<ncclComm_t>(comm), stream));
+  }
+
+  std::vector<void*> in_process_comms(const std::vector<int>& devices) const override {
+    std::vector<ncclComm_t> comms(devices.size());
+    TPF_CHECK_NCCL(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
+    // One grouped all-reduce now: NCCL connects its ranks lazily, in the first collective, and a
+    // first collective made rank by rank from one host thread would wait forever for the others.
+    std::vector<float*> scratch(devices.size());
+    int previous = 0;
+    TPF_CHECK_CUDA(cudaGetDevice(&previous));
+    for (size_t r = 0; r < devices.size(); ++r) {
+      TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+      TPF_CHECK_CUDA(cudaMalloc(&scratch[r], 64));
+    }
+    TPF_CHECK_NCCL(ncclGroupStart());
+    for (size_t r = 0; r < devices.size(); ++r) {
+      TPF_CHECK_NCCL(
+          ncclAllReduce(scratch[r], scratch[r], 16, ncclFloat32, ncclSum, comms[r], nullptr));
+    }
+    TPF_CHECK_NCCL(ncclGroupEnd());
+    for (size_t r = 0; r < devices.size(); ++r) {
+      TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+      TPF_CHECK_CUDA(cudaDeviceSynchronize());
+      TPF_CHECK_CUDA(cudaFree(scratch[r]));
+    }
+    TPF_CHECK_CUDA(cudaSetDevice(previous));
+    return std::vector<void*>(comms.begin(), comms.end());
+  }
+
+  void destroy_comms(std::vector<void*>& comms) const override {
+    for (void* comm : comms) ncclCommDestroy(static_cast<ncclComm_t>(comm));
+    comms.clear();
+  }
+
+  UniqueId unique_id() const override {
+    static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "UniqueId must hold an ncclUniqueId");
+    ncclUniqueId id;
+    TPF_CHECK_NCCL(ncclGetUniqueId(&id));
+    UniqueId out;
+    std::memcpy(out.bytes, id.internal, sizeof(out.bytes));
+    return out;
+  }
+
+  Team team_over(ncclComm_t comm, const TeamOptions& options) const override {
+    return create_team_over_nccl(comm, false, options);
+  }
+
+  Team team_from_id(const UniqueId& id, int rank, int world_size, int device,
+                    const TeamOptions& options) const override {
+    return create_team_from_nccl_id(id, rank, world_size, device, options);
+  }
+};
+
+}  // namespace
+
+const NcclSupport& nccl_support_ops() {
+  static const Nccl nccl;
+  return nccl;
+}
+
+}  // namespace tpfuse::impl

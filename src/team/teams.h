@@ -1,0 +1,18 @@
+// Team creation entry points of the CUDA builds (src/team/*.cu), reached through the tables of
+// core/backend.h.
+#pragma once
+
+#include <vector>
+
+#include "tpfuse/tpfuse.h"
+
+namespace tpfuse::impl {
+
+std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
+                                              const TeamOptions& options);
+// Over a communicator the caller owns (owns_comm false) or the team owns (destroyed with it).
+Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& options);
+Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,
+                              const TeamOptions& options);
+
+}  // namespace tpfuse::impl
