@@ -89,7 +89,7 @@ _DIM_POSITION = {
 
 
 def _last_dim_as_minus_one(graph: torch.fx.Graph) -> Dict[torch.fx.Node, tuple]:
-    """Rewrites last-dim arguments to -1 (and a slice's absent start to 0); returns the originals."""
+    """Rewrites last-dim arguments to -1 (a slice's absent start to 0); returns the originals."""
     originals = {}
     for node in graph.nodes:
         position = _DIM_POSITION.get(node.target)
@@ -433,7 +433,7 @@ class QkNormRope(FusedPattern):
         return op
 
     def geometry(self, match: Match):
-        """(op, head_dim, rotary_dim, swapped) when the match is the pattern at its own sizes, else None."""
+        """(op, head_dim, rotary_dim, swapped) when the match is the pattern at its own sizes."""
         kwargs = match.kwargs
         q_node, k_node = kwargs["q"], kwargs["k"]
         op = self.qk_op_of(q_node, k_node)
@@ -558,8 +558,8 @@ class TpfusePass(CustomGraphPass):
     def uuid(self) -> Optional[bytes]:
         # The team handle is baked into the rewritten graph and means something in this process
         # only: Inductor's caches must not hand the graph to another process.
-        key = repr((os.getpid(), self.team, self.group_name, self.world_size, supports_norm_weight()))
-        return hashlib.sha256(b"tpfuse.passes/2" + key.encode()).digest()
+        key = (os.getpid(), self.team, self.group_name, self.world_size, supports_norm_weight())
+        return hashlib.sha256(b"tpfuse.passes/2" + repr(key).encode()).digest()
 
 
 def make_pass(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> TpfusePass:
