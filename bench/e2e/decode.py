@@ -293,9 +293,7 @@ class Runner:
                     if mode == "compiled":
                         import tpfuse.passes as passes
 
-                        passes.install(self.team, self.group)
-                        rewrites_before = dict(passes.stats)
-                        graphs_before = len(passes.graphs)
+                        fusion = passes.install(self.team, self.group)
                     for layers in sorted(self.args.layers):
                         decoder = Decoder(self.weights, cache, collectives, self.world,
                                           self.grouped, layers=layers,
@@ -305,11 +303,10 @@ class Runner:
                             # What (mode, batch, context) compiled so far (one layer graph,
                             # reused by every layer count): the rewrites, and what the last
                             # graph still holds (every all-reduce fused: none left).
-                            record["pass_rewrites"] = {
-                                k: v - rewrites_before.get(k, 0) for k, v in passes.stats.items()}
-                            record["graphs_compiled"] = len(passes.graphs) - graphs_before
-                            if passes.graphs:
-                                after = passes.graphs[-1]["after"]
+                            record["pass_rewrites"] = dict(fusion.stats)
+                            record["graphs_compiled"] = len(fusion.graphs)
+                            if fusion.graphs:
+                                after = fusion.graphs[-1]["after"]
                                 record["last_graph_all_reduces_left"] = sum(
                                     "all_reduce" in op for op in after)
                                 record["last_graph_tpfuse_ops"] = sum(

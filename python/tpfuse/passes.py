@@ -2,542 +2,579 @@
 
     import tpfuse, tpfuse.passes
     team = tpfuse.Team.from_group(group)
-    tpfuse.passes.install(team, group)        # before torch.compile runs
+    fusion = tpfuse.passes.install(team, group)   # before torch.compile runs
     model = torch.compile(model)
+    fusion.stats, fusion.graphs                   # rewrites, and each graph's ops before/after
 
-Pattern (this module, post-grad): an all-reduce as torch.compile emits it (functional
-``all_reduce`` + ``wait_tensor`` on the installed group), an optional residual add, and RMSNorm in
-either form models write it -- the hand-written fp32-upcast one (``h.float()``, ``pow(2).mean(-1)``,
-``rsqrt(var + eps)``, back to the input dtype, times the weight, in either order) or
-``torch.nn.functional.rms_norm`` -- with any eps and any width, becomes one
-``tpfuse::allreduce_add_rmsnorm`` call whose two outputs replace the norm and the residual stream.
-A token count fixed at compile time for which the team would take its NCCL path anyway (more than
-its workspace carries, or more than its selection table gives a fused kernel) keeps the unfused
-graph; a symbolic (dynamic) count is rewritten, and the op chooses at run time.
+Each pattern is a class with a ``pattern`` and a ``replacement`` written as plain torch code and
+traced by Inductor's pattern matcher (post-grad). On the installed group:
 
-And MiniMax-M2's QK norm as a TP engine writes it (per-rank mean squares of q and k, one
-all-reduce of both concatenated, divided by the world size, normalized, weighted, back to the
-input dtype; q and k split from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``; a
-rotate-half partial rotary embedding applied to its q and k as engines write it natively (vLLM's
-``RotaryEmbedding.forward_native``) is then folded into that op (a second stage, below).
+- an all-reduce as torch.compile emits it (functional ``all_reduce`` + ``wait_tensor``), an
+  optional residual add, and RMSNorm as models write it (the fp32-upcast form with the weight on
+  either side, ``torch.nn.functional.rms_norm``, or Gemma's zero-centered ``(1 + weight)`` form),
+  any eps and width, becomes one ``tpfuse::allreduce_add_rmsnorm``. A token count fixed at compile
+  time for which the team would take its NCCL path anyway keeps the unfused graph; a symbolic
+  count is rewritten and the op chooses at run time.
+- MiniMax-M2's QK norm as a TP engine writes it (one all-reduce of both mean squares, q and k
+  split or sliced from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``; a second
+  stage folds the rotate-half partial RoPE applied to its outputs (vLLM's ``forward_native``).
 
 Numerics: the fused op sums in fp32 and rounds once, so its outputs can differ from the unfused
 graph's (which rounds the all-reduce, then the add) in the last bits.
-
-``stats`` counts the rewrites of the last compiled graphs; ``graphs`` keeps, per compiled graph,
-the ops it held before and after the pass (for tests and for checking a deployment).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import operator
 import os
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import (
-    CallFunction,
-    KeywordArg,
     Match,
-    MultiOutputPattern,
     PatternMatcherPass,
+    fwd_only,
+    fx_to_pattern,
+    gen_pattern,
+    is_match,
     register_graph_pattern,
+    register_replacement,
 )
+from torch._inductor.fx_passes.post_grad import view_to_reshape
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .team import Team
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
+FUSED_NORM = torch.ops.tpfuse.allreduce_add_rmsnorm.default
+FUSED_QK = torch.ops.tpfuse.allreduce_qk_rmsnorm.default
 
-# Installed groups: c10d group name -> team handle.
-_teams: Dict[str, int] = {}
-stats: Dict[str, int] = {
-    "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
+# Exactly representable in fp32 (rms_norm's decomposition rounds eps to it) and in no pattern
+# otherwise, so the tracer can tell the eps placeholder from the other constants.
+_EXAMPLE_EPS = 2.0**-20
+
+
+def op_arguments(node: torch.fx.Node) -> Dict[str, Any]:
+    """A call's arguments by the op schema's names, defaults filled in."""
+    schema = node.target._schema
+    values = {}
+    for index, argument in enumerate(schema.arguments):
+        if index < len(node.args):
+            values[argument.name] = node.args[index]
+        elif argument.name in node.kwargs:
+            values[argument.name] = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            values[argument.name] = argument.default_value
+    return values
+
+
+def supports_norm_weight() -> bool:
+    """Whether this build's allreduce_add_rmsnorm takes norm_weight (1: the weight is 1 + gamma)."""
+    return any(argument.name == "norm_weight" for argument in FUSED_NORM._schema.arguments)
+
+
+# --- dims: a traced pattern holds the spelling its own trace produced (mean(-1) gives [-1],
+# rms_norm gives [ndim - 1], x[..., :n] gives ndim - 1), and the graph may hold either; both sides
+# are brought to -1 before matching, and the graph's untouched nodes get theirs back afterwards.
+
+_DIM_POSITION = {
+    aten.mean.dim: 1, aten.cat.default: 1, aten.split.Tensor: 2,
+    aten.split_with_sizes.default: 2, aten.slice.Tensor: 1,
 }
-_world_sizes: Dict[str, int] = {}
-graphs: List[Dict[str, List[str]]] = []
 
 
-def _ops_of(graph: torch.fx.Graph) -> List[str]:
-    return [str(node.target) for node in graph.nodes if node.op == "call_function"]
+def _last_dim_as_minus_one(graph: torch.fx.Graph) -> Dict[torch.fx.Node, tuple]:
+    """Rewrites last-dim arguments to -1 (a slice's absent start to 0); returns the originals."""
+    originals = {}
+    for node in graph.nodes:
+        position = _DIM_POSITION.get(node.target)
+        if node.op != "call_function" or position is None or len(node.args) <= position:
+            continue
+        source = node.args[0][0] if node.target is aten.cat.default else node.args[0]
+        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if value is None:
+            continue
+        args = list(node.args)
+        dim = args[position]
+        if isinstance(dim, (list, tuple)) and len(dim) == 1 and dim[0] == value.dim() - 1:
+            args[position] = [-1]
+        elif isinstance(dim, int) and dim == value.dim() - 1:
+            args[position] = -1
+        if node.target is aten.slice.Tensor and len(args) > 2 and args[2] is None:
+            args[2] = 0
+        if tuple(args) != node.args:
+            originals[node] = node.args
+            node.args = tuple(args)
+    return originals
 
 
-def _norm_patterns(h, upcast_users: int):
-    """The RMSNorm forms over the (multi-user) tensor `h`, each a pattern of the final output."""
-    hf = CallFunction(prims.convert_element_type.default, h, torch.float32, _users=upcast_users)
-    variance = CallFunction(
-        aten.mean.dim, CallFunction(aten.pow.Tensor_Scalar, hf, 2), KeywordArg("dims"), True
-    )
-    rstd = CallFunction(
-        aten.rsqrt.default,
-        CallFunction([aten.add.Tensor, aten.add.Scalar], variance, KeywordArg("eps")),
-    )
-    normed = CallFunction(aten.mul.Tensor, hf, rstd)
-    back = CallFunction(prims.convert_element_type.default, normed, KeywordArg("dtype"))
-    return [
-        # hand-written: weight * h.to(dtype), or h.to(dtype) * weight
-        CallFunction(aten.mul.Tensor, KeywordArg("weight"), back),
-        CallFunction(aten.mul.Tensor, back, KeywordArg("weight")),
-        # torch.nn.functional.rms_norm: the weight in fp32, then one rounding
-        CallFunction(
-            prims.convert_element_type.default,
-            CallFunction(aten.mul.Tensor, normed, KeywordArg("weight")),
-            KeywordArg("dtype"),
-        ),
-    ]
+def _trace(fn: Callable, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """fwd_only, then what Inductor has done to a graph by the time the post-grad custom pass
+    sees it: no in-place ops (rms_norm's decomposition adds eps in place), views as reshapes."""
+    decomposed = fwd_only(fn, args)
+    with torch.no_grad():
+        graph_module = make_fx(torch.func.functionalize(decomposed, remove="mutations"))(*args)
+    graph_module.graph.eliminate_dead_code()
+    view_to_reshape(graph_module)
+    _last_dim_as_minus_one(graph_module.graph)
+    graph_module.recompile()
+    return graph_module
 
 
-def _check(match: Match) -> bool:
-    kwargs = match.kwargs
-    if kwargs.get("group") not in _teams or kwargs.get("op") != "sum":
-        return False
+def _fake_inputs(*specs) -> list:
+    """Example inputs for tracing: fake tensors, so no collective runs while registering."""
+    with FakeTensorMode():
+        return [torch.empty(*shape, dtype=dtype) for shape, dtype in specs]
+
+
+def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))
+
+
+def _rstd(hf: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# The RMSNorm forms, each (h, weight, eps) -> output in h's dtype, and the op's norm_weight for it.
+def _norm_weight_first(h, weight, eps):
+    hf = h.to(torch.float32)
+    return weight * (hf * _rstd(hf, eps)).to(h.dtype)
+
+
+def _norm_weight_last(h, weight, eps):
+    hf = h.to(torch.float32)
+    return (hf * _rstd(hf, eps)).to(h.dtype) * weight
+
+
+def _norm_functional(h, weight, eps):
+    return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def _norm_zero_centered(h, weight, eps):
+    # HF's GemmaRMSNorm (and Qwen3-Next's): the weight stored around 0, applied in fp32.
+    hf = h.float()
+    return (hf * _rstd(hf, eps) * (1.0 + weight.float())).type_as(h)
+
+
+NORM_FORMS: Dict[str, tuple] = {
+    "weight_first": (_norm_weight_first, 0),
+    "weight_last": (_norm_weight_last, 0),
+    "functional": (_norm_functional, 0),
+    "zero_centered": (_norm_zero_centered, 1),
+}
+
+
+class FusedPattern:
+    """One rewrite: `pattern` and `replacement` (same arguments, same outputs), traced at
+    registration on `example_inputs()`; `check` holds what tracing cannot (dtypes, sizes, the
+    team's choice)."""
+
+    stat = ""
+
+    def __init__(self, fusion: "TpfusePass"):
+        self.fusion = fusion
+
+    def example_inputs(self) -> list:
+        raise NotImplementedError
+
+    def check(self, match: Match) -> bool:
+        return True
+
+    def _check_and_count(self, match: Match) -> bool:
+        # Called by the matcher on the match it then rewrites, after the pattern re-traced at its
+        # shapes matched too.
+        if not self.check(match):
+            return False
+        self.fusion.stats[self.stat] += 1
+        return True
+
+    def register(self, patterns: PatternMatcherPass) -> None:
+        register_replacement(
+            self.pattern, self.replacement, self.example_inputs(), _trace, patterns,
+            extra_check=self._check_and_count, scalar_workaround={"eps": _EXAMPLE_EPS},
+        )
+
+
+def _norm_inputs_fit(kwargs, fusion: "TpfusePass") -> bool:
     x = kwargs["x"].meta.get("val")
     weight = kwargs["weight"].meta.get("val")
     if x is None or weight is None or x.dim() < 1:
         return False
-    dims = [int(d) for d in kwargs["dims"]]
-    if dims not in ([-1], [x.dim() - 1]):
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or kwargs["dtype"] != x.dtype:
-        return False
-    if weight.dtype != x.dtype or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return False
     residual = kwargs.get("residual")
     if residual is not None:
         value = residual.meta.get("val")
         if value is None or value.dtype != x.dtype or value.shape != x.shape:
             return False
-    if not isinstance(kwargs["eps"], (int, float)):
-        return False
-    return _fused_kernel_runs(kwargs["group"], x)
+    return fusion.fused_kernel_runs(x)
 
 
-def _fused_kernel_runs(group: str, x) -> bool:
-    """False when the token count is fixed at compile time and the team would run it through its
-    NCCL path anyway (more than its workspace carries, or more than its selection table gives a
-    fused kernel): that graph is left unfused. A symbolic token count is rewritten; the op
-    chooses at run time."""
-    hidden, numel = x.shape[-1], x.numel()
-    # A SymInt is not an int: asking it for a value would specialize the compiled graph.
-    if not isinstance(hidden, int) or not isinstance(numel, int) or hidden <= 0 or numel <= 0:
-        return True
-    tokens = numel // hidden
-    algorithm = torch.ops.tpfuse.choose(_teams[group], tokens, hidden, x.dtype)
-    return algorithm != "nccl"
+class AllReduceAddRMSNorm(FusedPattern):
+    """h = all_reduce(x) + residual (either order); (norm(h) * weight, h) -> one fused call."""
+
+    stat = "allreduce_add_rmsnorm"
+
+    def __init__(self, fusion, norm_form: str, residual_first: bool):
+        super().__init__(fusion)
+        self.norm, self.norm_weight = NORM_FORMS[norm_form]
+        self.residual_first = residual_first
+
+    def example_inputs(self):
+        return _fake_inputs(((5, 16), torch.bfloat16), ((5, 16), torch.bfloat16),
+                            ((16,), torch.bfloat16))
+
+    def pattern(self, x, residual, weight, eps):
+        reduced = _all_reduce(x, self.fusion.group_name)
+        h = residual + reduced if self.residual_first else reduced + residual
+        return self.norm(h, weight, eps), h
+
+    def replacement(self, x, residual, weight, eps):
+        return self.fusion.fused_add_rmsnorm(x, residual, weight, eps, self.norm_weight)
+
+    def check(self, match):
+        return _norm_inputs_fit(match.kwargs, self.fusion)
 
 
-def _rewrite(match: Match, *args, **kwargs) -> None:
-    handle = _teams[kwargs["group"]]
-    eps = float(kwargs["eps"])
-    has_residual = "residual" in kwargs
+class AllReduceRMSNorm(FusedPattern):
+    """No residual: h = all_reduce(x) (which may be used elsewhere); (norm(h) * weight, h)."""
 
-    def replacement(x, residual, weight):
-        hidden = x.shape[-1]
-        norm, residual_out = torch.ops.tpfuse.allreduce_add_rmsnorm.default(
-            handle,
-            x.reshape(-1, hidden),
-            residual.reshape(-1, hidden) if residual is not None else None,
-            weight,
-            eps,
-            0,
-        )
-        return norm.view(x.shape), residual_out.view(x.shape)
+    stat = "allreduce_add_rmsnorm"
 
-    if has_residual:
-        match.replace_by_example(replacement, [kwargs["x"], kwargs["residual"], kwargs["weight"]])
-    else:
-        match.replace_by_example(
-            lambda x, weight: replacement(x, None, weight), [kwargs["x"], kwargs["weight"]]
-        )
-    stats["allreduce_add_rmsnorm"] += 1
+    def __init__(self, fusion, norm_form: str):
+        super().__init__(fusion)
+        self.norm, self.norm_weight = NORM_FORMS[norm_form]
 
+    def example_inputs(self):
+        return _fake_inputs(((5, 16), torch.bfloat16), ((16,), torch.bfloat16))
 
-@functools.lru_cache(None)
-def _patterns() -> PatternMatcherPass:
-    patterns = PatternMatcherPass(pass_name="tpfuse_allreduce_add_rmsnorm")
-    reduced = CallFunction(
-        c10d.wait_tensor.default,
-        CallFunction(c10d.all_reduce.default, KeywordArg("x"), KeywordArg("op"), KeywordArg("group")),
-    )
-    sums = [
-        CallFunction(aten.add.Tensor, reduced, KeywordArg("residual"), _users=2),
-        CallFunction(aten.add.Tensor, KeywordArg("residual"), reduced, _users=2),
-    ]
-    for h in sums:
-        for norm in _norm_patterns(h, upcast_users=2):
-            register_graph_pattern(
-                MultiOutputPattern([norm, h]), extra_check=_check, pass_dict=patterns
-            )(_rewrite)
-    # Without a residual: the all-reduced sum itself is normalized (and may be used elsewhere).
-    plain = CallFunction(
-        c10d.wait_tensor.default,
-        CallFunction(c10d.all_reduce.default, KeywordArg("x"), KeywordArg("op"), KeywordArg("group")),
-        _users=2,
-    )
-    for norm in _norm_patterns(plain, upcast_users=2):
-        register_graph_pattern(
-            MultiOutputPattern([norm, plain]), extra_check=_check, pass_dict=patterns
-        )(_rewrite)
-    _register_qk(patterns)
-    return patterns
+    def pattern(self, x, weight, eps):
+        h = _all_reduce(x, self.fusion.group_name)
+        return self.norm(h, weight, eps), h
+
+    def replacement(self, x, weight, eps):
+        return self.fusion.fused_add_rmsnorm(x, None, weight, eps, self.norm_weight)
+
+    def check(self, match):
+        return _norm_inputs_fit(match.kwargs, self.fusion)
 
 
 # --- MiniMax-M2's QK norm: per-rank mean squares of q and k, one all-reduce of both (cat'd),
-# divided by the world size, normalized, weighted, back to the input dtype. q and k are either
-# getitems 0 and 1 of qkv.split([q_size, kv_size, kv_size], -1) (single split) or last-dim
-# slices of qkv (separate splits).
+# divided by the world size, normalized, weighted, back to the input dtype.
 
 
-def _last_dim(dims, ndim: int) -> bool:
-    dims = [int(d) for d in dims] if isinstance(dims, (list, tuple)) else [int(dims)]
-    return dims in ([-1], [ndim - 1])
+def _qk_norm(q, k, q_weight, k_weight, eps, world_size: int, group_name: str):
+    dtype = q.dtype
+    qf, kf = q.float(), k.float()
+    both = torch.cat([qf.pow(2).mean(-1, keepdim=True), kf.pow(2).mean(-1, keepdim=True)], -1)
+    q_variance, k_variance = (_all_reduce(both, group_name) / world_size).chunk(2, dim=-1)
+    q_out = qf * torch.rsqrt(q_variance + eps) * q_weight
+    k_out = kf * torch.rsqrt(k_variance + eps) * k_weight
+    return q_out.to(dtype), k_out.to(dtype)
 
 
-def _qkv_source(q: torch.fx.Node, k: torch.fx.Node):
-    """(qkv node, q_size, kv_size) when q and k are the first two parts of one packed qkv."""
-    import operator
+class _QkNorm(FusedPattern):
+    stat = "allreduce_qk_rmsnorm"
+    _q_size, _kv_size = 32, 16
 
-    if q.target is operator.getitem and k.target is operator.getitem:
-        split = q.args[0]
-        if (
-            split is k.args[0]
-            and q.args[1] == 0
-            and k.args[1] == 1
-            and split.target == aten.split_with_sizes.default
-        ):
-            qkv, sizes = split.args[0], list(split.args[1])
-            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-            value = qkv.meta.get("val")
-            if (
-                value is not None
-                and len(sizes) == 3
-                and sizes[1] == sizes[2]
-                and _last_dim(dim, value.dim())
-            ):
-                return qkv, int(sizes[0]), int(sizes[1])
-        return None
-    if q.target == aten.slice.Tensor and k.target == aten.slice.Tensor:
-        qkv = q.args[0]
-        value = qkv.meta.get("val")
-        if value is None or k.args[0] is not qkv:
-            return None
-        q_dim, q_start, q_end = (list(q.args[1:4]) + [None] * 3)[:3]
-        k_dim, k_start, k_end = (list(k.args[1:4]) + [None] * 3)[:3]
-        if not (_last_dim(q_dim, value.dim()) and _last_dim(k_dim, value.dim())):
-            return None
-        width = value.shape[-1]
-        if q_start not in (0, None) or q_end is None or k_start != q_end or k_end is None:
-            return None
-        q_size, kv_size = int(q_end), int(k_end) - int(q_end)
-        if q_size + 2 * kv_size != width:
-            return None
-        return qkv, q_size, kv_size
-    return None
+    def example_inputs(self):
+        q_size, kv_size = self._q_size, self._kv_size
+        return _fake_inputs(((3, q_size + 2 * kv_size), torch.bfloat16),
+                            ((q_size,), torch.bfloat16), ((kv_size,), torch.bfloat16))
 
+    def norm(self, q, k, q_weight, k_weight, eps):
+        return _qk_norm(q, k, q_weight, k_weight, eps, self.fusion.world_size,
+                        self.fusion.group_name)
 
-def _check_qk(match: Match) -> bool:
-    kwargs = match.kwargs
-    group = kwargs.get("group")
-    if group not in _teams or kwargs.get("op") != "sum":
-        return False
-    if kwargs["world"] != _world_sizes[group] or kwargs["eps_q"] != kwargs["eps_k"]:
-        return False
-    source = _qkv_source(kwargs["q"], kwargs["k"])
-    if source is None:
-        return False
-    qkv, q_size, kv_size = source
-    value = qkv.meta["val"]
-    if value.dtype not in (torch.bfloat16, torch.float16) or not value.is_contiguous():
-        return False
-    if kwargs["dtype_q"] != value.dtype or kwargs["dtype_k"] != value.dtype:
-        return False
-    for dims in (kwargs["q_dims"], kwargs["k_dims"], kwargs["cat_dim"], kwargs["split_dim"]):
-        if not _last_dim(dims, value.dim()):
-            return False
-    for name, size in (("q_weight", q_size), ("k_weight", kv_size)):
-        weight = kwargs[name].meta.get("val")
-        if weight is None or weight.dtype != value.dtype or tuple(weight.shape) != (size,):
-            return False
-    return True
-
-
-def _rewrite_qk(match: Match, *args, **kwargs) -> None:
-    group = kwargs["group"]
-    handle, world = _teams[group], _world_sizes[group]
-    qkv, q_size, kv_size = _qkv_source(kwargs["q"], kwargs["k"])
-    eps = float(kwargs["eps_q"])
-
-    def replacement(qkv, q_weight, k_weight):
-        rows = qkv.reshape(-1, qkv.shape[-1])
+    def fused(self, qkv, q_weight, k_weight, eps):
+        q_size, kv_size = q_weight.shape[0], k_weight.shape[0]
+        world = self.fusion.world_size
         # Mean squares over ranks / world == sums over ranks / (width * world): the op's form.
-        q, k = torch.ops.tpfuse.allreduce_qk_rmsnorm.default(
-            handle, rows, q_weight, k_weight, q_size, kv_size, q_size * world, kv_size * world,
-            1, eps, None, None, 0, 0, 0, 0,
+        q, k = FUSED_QK(
+            self.fusion.team, qkv.reshape(-1, qkv.shape[-1]), q_weight, k_weight,
+            q_size=q_size, kv_size=kv_size, q_global_size=q_size * world,
+            k_global_size=kv_size * world, kv_replicas=1, eps=eps,
         )
         return q.view(*qkv.shape[:-1], q_size), k.view(*qkv.shape[:-1], kv_size)
 
-    match.replace_by_example(replacement, [qkv, kwargs["q_weight"], kwargs["k_weight"]])
-    stats["allreduce_qk_rmsnorm"] += 1
+    def check(self, match):
+        qkv = match.kwargs["qkv"].meta.get("val")
+        if qkv is None or qkv.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if not qkv.is_contiguous():
+            return False
+        widths = []
+        for name in ("q_weight", "k_weight"):
+            weight = match.kwargs[name].meta.get("val")
+            if weight is None or weight.dtype != qkv.dtype or weight.dim() != 1:
+                return False
+            widths.append(weight.shape[0])
+        return widths[0] + 2 * widths[1] == qkv.shape[-1]
 
 
-def _register_qk(patterns: PatternMatcherPass) -> None:
-    import operator
+class QkNormSingleSplit(_QkNorm):
+    """q, k, v = qkv.split([q_size, kv_size, kv_size], -1), then the QK norm of q and k. The
+    split's user count is part of the traced pattern, so a v that is used and one that is not are
+    two registrations (`returns_v`)."""
 
-    def mean_square(upcast, dims):
-        return CallFunction(
-            aten.mean.dim, CallFunction(aten.pow.Tensor_Scalar, upcast, 2), KeywordArg(dims), True
-        )
+    def __init__(self, fusion, returns_v: bool):
+        super().__init__(fusion)
+        self.returns_v = returns_v
 
-    qf = CallFunction(prims.convert_element_type.default, KeywordArg("q"), torch.float32, _users=2)
-    kf = CallFunction(prims.convert_element_type.default, KeywordArg("k"), torch.float32, _users=2)
-    both = CallFunction(
-        aten.cat.default, [mean_square(qf, "q_dims"), mean_square(kf, "k_dims")],
-        KeywordArg("cat_dim"),
-    )
-    reduced = CallFunction(
-        c10d.wait_tensor.default,
-        CallFunction(c10d.all_reduce.default, both, KeywordArg("op"), KeywordArg("group")),
-    )
-    variances = CallFunction(
-        aten.split.Tensor,
-        CallFunction(aten.div.Tensor, reduced, KeywordArg("world")),
-        1,
-        KeywordArg("split_dim"),
-        _users=2,
-    )
+    def pattern(self, qkv, q_weight, k_weight, eps):
+        kv_size = k_weight.shape[0]
+        q, k, v = qkv.split([q_weight.shape[0], kv_size, kv_size], dim=-1)
+        q, k = self.norm(q, k, q_weight, k_weight, eps)
+        return (q, k, v) if self.returns_v else (q, k)
 
-    def normalized(upcast, index, eps, weight, dtype):
-        rstd = CallFunction(
-            aten.rsqrt.default,
-            CallFunction(
-                [aten.add.Tensor, aten.add.Scalar],
-                CallFunction(operator.getitem, variances, index),
-                KeywordArg(eps),
-            ),
-        )
-        return CallFunction(
-            prims.convert_element_type.default,
-            CallFunction(
-                aten.mul.Tensor, CallFunction(aten.mul.Tensor, upcast, rstd), KeywordArg(weight)
-            ),
-            KeywordArg(dtype),
-        )
-
-    pattern = MultiOutputPattern(
-        [
-            normalized(qf, 0, "eps_q", "q_weight", "dtype_q"),
-            normalized(kf, 1, "eps_k", "k_weight", "dtype_k"),
-        ]
-    )
-    register_graph_pattern(pattern, extra_check=_check_qk, pass_dict=patterns)(_rewrite_qk)
+    def replacement(self, qkv, q_weight, k_weight, eps):
+        q, k = self.fused(qkv, q_weight, k_weight, eps)
+        if not self.returns_v:
+            return q, k
+        return q, k, qkv[..., q_weight.shape[0] + k_weight.shape[0]:]
 
 
-# --- RoPE after the QK norm, folded into the fused op (a second stage, on graphs the QK pattern
-# has rewritten): the rotate-half (neox) partial rotary embedding as engines write it natively
-# (vLLM's RotaryEmbedding.forward_native): cos_sin = cache[positions]; cos, sin = chunk(2);
-# per tensor x of [tokens, heads * head_dim]: view [tokens, -1, head_dim], x[..., :rotary_dim]
-# split in halves x1, x2; cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin), cat with
-# x[..., rotary_dim:], back to [tokens, width]; cos and sin unsqueezed at -2 and cast to x's
-# dtype. The fused op applies it in fp32 before its single rounding. Not matched (left unfused):
-# the interleaved style, full-width rotary (rotary_dim == head_dim), a cache that is not fp32
-# [positions, rotary_dim], tokens not flattened to 2-D.
+class QkNormSlices(_QkNorm):
+    """q = qkv[..., :q_size], k = qkv[..., q_size:q_size + kv_size], then the QK norm."""
+
+    def pattern(self, qkv, q_weight, k_weight, eps):
+        q_size, kv_size = q_weight.shape[0], k_weight.shape[0]
+        q, k = qkv[..., :q_size], qkv[..., q_size:q_size + kv_size]
+        return self.norm(q, k, q_weight, k_weight, eps)
+
+    def replacement(self, qkv, q_weight, k_weight, eps):
+        return self.fused(qkv, q_weight, k_weight, eps)
 
 
-def _qk_op_of(op: torch.fx.Node):
-    """`op` when it is the tpfuse QK norm run without RoPE whose only users are its two outputs'
-    getitems (each of which the RoPE chain is the only user of); else None."""
-    if op.op != "call_function" or op.target != torch.ops.tpfuse.allreduce_qk_rmsnorm.default:
-        return None
-    if len(op.users) != 2 or any(len(user.users) != 1 for user in op.users):
-        return None
-    return op if _op_arg(op, 14, "rope_style", 0) == 0 else None
+# --- RoPE after the QK norm, folded into the fused op (a second stage, on graphs the QK patterns
+# rewrote). Not matched (left unfused): the interleaved style, full-width rotary
+# (rotary_dim == head_dim), a cache that is not fp32 [positions, rotary_dim], tokens not 2-D.
 
 
-def _op_arg(node: torch.fx.Node, index: int, name: str, default):
-    """Argument `index` (schema name `name`) of a call, which the graph may leave at its default."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
+def rope_native(positions, q, k, cos_sin_cache, head_dim: int, rotary_dim: int):
+    """Rotate-half partial RoPE as engines write it natively (vLLM's forward_native)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+
+    def rotate(x):
+        shape = x.shape
+        x = x.view(positions.shape[0], -1, head_dim)
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        c, s = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+        x1, x2 = torch.chunk(rotated, 2, dim=-1)
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((rotated, passed), dim=-1).reshape(shape)
+
+    return rotate(q), rotate(k)
 
 
-def _cos_sin_source(kwargs, rotary_dim: int):
-    """(positions, cache) when cos and sin are the halves of an fp32 [positions, rotary_dim]
-    cache's rows at int64 [tokens] positions."""
-    if kwargs["cos_sin_half"] != rotary_dim // 2 or kwargs["cos_sin_dim"] not in (-1, 1):
-        return None
-    cache, positions = kwargs["cache"], kwargs["positions"]
-    cache_value, positions_value = cache.meta.get("val"), positions.meta.get("val")
-    if cache_value is None or positions_value is None:
-        return None
-    if cache_value.dtype != torch.float32 or cache_value.dim() != 2:
-        return None
-    if cache_value.shape[1] != rotary_dim or not cache_value.is_contiguous():
-        return None
-    if positions_value.dtype != torch.int64 or positions_value.dim() != 1:
-        return None
-    return positions, cache
+class QkNormRope(FusedPattern):
+    """rope_native on the two outputs of a fused QK norm (run without RoPE) -> that op with RoPE.
 
+    The replacement must carry over the QK op's own arguments, which register_replacement's
+    replacement (it sees only the matched tensors) cannot reach: the pattern is traced, and the op
+    it hangs on, and its head_dim (not an input of the pattern), are found by hand in `check`."""
 
-def _rope_geometry(kwargs, prefix: str, width: int):
-    """(head_dim, rotary_dim) of one tensor's RoPE chain, or None."""
-    heads_shape = kwargs[prefix + "_heads_shape"]
-    if not isinstance(heads_shape, (list, tuple)) or len(heads_shape) != 3:
-        return None
-    head_dim, rotary_dim = heads_shape[2], kwargs[prefix + "_rotary_dim"]
-    if not isinstance(head_dim, int) or not isinstance(rotary_dim, int):
-        return None
-    if width % head_dim != 0 or not 0 < rotary_dim < head_dim or rotary_dim % 2 != 0:
-        return None
-    if kwargs[prefix + "_half"] != rotary_dim // 2 or kwargs[prefix + "_pass_start"] != rotary_dim:
-        return None
-    if not isinstance(kwargs[prefix + "_pass_end"], int) or kwargs[prefix + "_pass_end"] < head_dim:
-        return None
-    for name in ("_slice_dim", "_split_dim", "_cat_dim", "_pass_dim", "_join_dim"):
-        if kwargs[prefix + name] not in (-1, 2):
-            return None
-    return head_dim, rotary_dim
+    stat = "allreduce_qk_rmsnorm_rope"
+    _head_dim, _rotary_dim = 24, 8
+    argnames = ["q", "k", "positions", "cos_sin_cache"]
 
+    def example_inputs(self, head_dim: int = _head_dim, rotary_dim: int = _rotary_dim):
+        return _fake_inputs(((3, 2 * head_dim), torch.bfloat16), ((3, head_dim), torch.bfloat16),
+                            ((3,), torch.int64), ((7, rotary_dim), torch.float32))
 
-def _check_rope(match: Match) -> bool:
-    kwargs = match.kwargs
-    op = _qk_op_of(kwargs["qk_op"])
-    if op is None:
-        return False
-    q, k = (user.meta.get("val") for user in sorted(op.users, key=lambda user: user.args[1]))
-    if q is None or k is None or q.dim() != 2 or k.dim() != 2:
-        return False
-    q_geometry = _rope_geometry(kwargs, "q", q.shape[1])
-    if q_geometry is None or _rope_geometry(kwargs, "k", k.shape[1]) != q_geometry:
-        return False
-    if any(kwargs[name] != q.dtype for name in ("q_cos_dtype", "q_sin_dtype", "k_cos_dtype",
-                                                  "k_sin_dtype")):
-        return False
-    source = _cos_sin_source(kwargs, q_geometry[1])
-    return source is not None and source[0].meta["val"].shape[0] == q.shape[0]
+    @staticmethod
+    def pattern(head_dim: int):
+        def rope(q, k, positions, cos_sin_cache):
+            return rope_native(positions, q, k, cos_sin_cache, head_dim, cos_sin_cache.shape[1])
 
+        return rope
 
-def _rewrite_rope(match: Match, *args, **kwargs) -> None:
-    op = kwargs["qk_op"]
-    head_dim, rotary_dim = _rope_geometry(kwargs, "q", int(_op_arg(op, 4, "q_size", 0)))
-    positions, cache = _cos_sin_source(kwargs, rotary_dim)
-    a = list(op.args[:10])
-    algorithm = _op_arg(op, 15, "algorithm", 0)
+    def replacement(self, op: torch.fx.Node, head_dim: int, rotary_dim: int, swapped: bool):
+        """The op with RoPE, with `op`'s own arguments (by name), and its inputs."""
+        arguments = op_arguments(op)
 
-    def replacement(rows, q_weight, k_weight, positions, cache):
-        return torch.ops.tpfuse.allreduce_qk_rmsnorm.default(
-            a[0], rows, q_weight, k_weight, a[4], a[5], a[6], a[7], a[8], a[9], positions, cache,
-            head_dim, rotary_dim, 1, algorithm,
-        )
-
-    match.replace_by_example(replacement, [op.args[1], op.args[2], op.args[3], positions, cache])
-    stats["allreduce_qk_rmsnorm_rope"] += 1
-
-
-def _register_rope(patterns: PatternMatcherPass) -> None:
-    import operator
-
-    # cos and sin: the halves of cache[positions], each used by the q and the k chain (the shared
-    # nodes anchor the two outputs of the pattern).
-    halves_of_row = CallFunction(
-        aten.split.Tensor,
-        CallFunction(aten.index.Tensor, KeywordArg("cache"), [KeywordArg("positions")]),
-        KeywordArg("cos_sin_half"),
-        KeywordArg("cos_sin_dim"),
-        _users=2,
-    )
-    cos_half = CallFunction(operator.getitem, halves_of_row, 0, _users=2)
-    sin_half = CallFunction(operator.getitem, halves_of_row, 1, _users=2)
-
-    def chain(prefix: str):
-        def arg(name):
-            return KeywordArg(prefix + name)
-
-        # x: output 0 (q) or 1 (k) of the fused QK norm, used by this chain only.
-        x = CallFunction(operator.getitem, KeywordArg("qk_op"), 0 if prefix == "q" else 1)
-        heads = CallFunction(aten.reshape.default, x, arg("_heads_shape"), _users=2)
-        rotated = CallFunction(aten.slice.Tensor, heads, arg("_slice_dim"), 0, arg("_rotary_dim"))
-        halves = CallFunction(aten.split.Tensor, rotated, arg("_half"), arg("_split_dim"), _users=2)
-        x1 = CallFunction(operator.getitem, halves, 0, _users=2)
-        x2 = CallFunction(operator.getitem, halves, 1, _users=2)
-
-        def trig(half, name):
-            return CallFunction(
-                prims.convert_element_type.default,
-                CallFunction(aten.unsqueeze.default, half, -2),
-                arg("_" + name + "_dtype"),
-                _users=2,
+        def fused(qkv, q_gamma, k_gamma, positions, cos_sin_cache):
+            q, k = FUSED_QK(
+                arguments["team"], qkv, q_gamma, k_gamma, q_size=arguments["q_size"],
+                kv_size=arguments["kv_size"], q_global_size=arguments["q_global_size"],
+                k_global_size=arguments["k_global_size"], kv_replicas=arguments["kv_replicas"],
+                eps=arguments["eps"], positions=positions, cos_sin_cache=cos_sin_cache,
+                head_dim=head_dim, rotary_dim=rotary_dim, rope_style=1,
+                algorithm=arguments["algorithm"],
             )
+            return (k, q) if swapped else (q, k)
 
-        cos, sin = trig(cos_half, "cos"), trig(sin_half, "sin")
-        first = CallFunction(
-            aten.sub.Tensor, CallFunction(aten.mul.Tensor, x1, cos),
-            CallFunction(aten.mul.Tensor, x2, sin),
+        return fused, [arguments["qkv"], arguments["q_gamma"], arguments["k_gamma"]]
+
+    def register(self, patterns: PatternMatcherPass) -> None:
+        generic = gen_pattern(self.pattern(self._head_dim), self.example_inputs(), _trace)
+        register_graph_pattern(generic, extra_check=self.check, pass_dict=patterns)(self.rewrite)
+
+    @staticmethod
+    def qk_op_of(q: torch.fx.Node, k: torch.fx.Node) -> Optional[torch.fx.Node]:
+        """The fused QK norm (without RoPE) whose outputs 0 and 1 are q and k, in either order
+        (the two chains are alike, so the matcher may bind them either way), used only here."""
+        if q.target is not operator.getitem or k.target is not operator.getitem:
+            return None
+        op = q.args[0]
+        if k.args[0] is not op or {q.args[1], k.args[1]} != {0, 1}:
+            return None
+        if not isinstance(op, torch.fx.Node) or op.target != FUSED_QK or len(op.users) != 2:
+            return None
+        if len(q.users) != 1 or len(k.users) != 1 or op_arguments(op)["rope_style"] != 0:
+            return None
+        return op
+
+    def geometry(self, match: Match):
+        """(op, head_dim, rotary_dim, swapped) when the match is the pattern at its own sizes."""
+        kwargs = match.kwargs
+        q_node, k_node = kwargs["q"], kwargs["k"]
+        op = self.qk_op_of(q_node, k_node)
+        if op is None:
+            return None
+        values = [kwargs[name].meta.get("val") for name in self.argnames]
+        if any(value is None for value in values):
+            return None
+        q, k, positions, cache = values
+        heads = next(iter(q_node.users)).meta.get("val")
+        if q.dim() != 2 or k.dim() != 2 or heads is None or heads.dim() != 3:
+            return None
+        head_dim, rotary_dim = heads.shape[-1], cache.shape[-1] if cache.dim() == 2 else 0
+        if not isinstance(head_dim, int) or q.shape[1] % head_dim or k.shape[1] % head_dim:
+            return None
+        if not 0 < rotary_dim < head_dim or rotary_dim % 2:
+            return None
+        if cache.dtype != torch.float32 or not cache.is_contiguous():
+            return None
+        if positions.dtype != torch.int64 or positions.dim() != 1:
+            return None
+        # What register_replacement does for its patterns: the pattern again at these sizes,
+        # with no constant ignored.
+        with torch._dynamo.utils.detect_fake_mode(values):
+            specific = fx_to_pattern(_trace(self.pattern(head_dim), values), argnames=self.argnames)
+        if not is_match(specific.match(match.output_nodes()[0])):
+            return None
+        return op, head_dim, rotary_dim, q_node.args[1] == 1
+
+    def check(self, match):
+        return self.geometry(match) is not None
+
+    def rewrite(self, match: Match, *args, **kwargs) -> None:
+        fused, inputs = self.replacement(*self.geometry(match))
+        match.replace_by_example(fused, inputs + [kwargs["positions"], kwargs["cos_sin_cache"]])
+        self.fusion.stats[self.stat] += 1
+
+
+def _ops_of(graph: torch.fx.Graph) -> List[str]:
+    return [str(node.target) for node in graph.nodes if node.op == "call_function"]
+
+
+def _tpfuse_calls(graph: torch.fx.Graph) -> List[Dict[str, Any]]:
+    """Each tpfuse op of the graph with its scalar arguments by name."""
+    calls = []
+    for node in graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("tpfuse."):
+            scalars = {name: value for name, value in op_arguments(node).items()
+                       if not isinstance(value, torch.fx.Node) and name != "team"}
+            calls.append({"op": str(node.target), **scalars})
+    return calls
+
+
+class TpfusePass(CustomGraphPass):
+    """The passes for one team over one process group (default: the world).
+
+    `stats` counts rewrites per fused op since construction; `graphs` keeps, per compiled graph,
+    the ops before and after and the tpfuse calls with their scalar arguments. Callable on an FX
+    graph, for a pass manager that runs its own list (e.g. vLLM's post-grad pass manager, which
+    owns Inductor's post_grad_custom_post_pass hook: add this object to it instead of install())."""
+
+    def __init__(self, team: Team, group: Optional["torch.distributed.ProcessGroup"] = None):
+        import torch.distributed as dist
+
+        group = group if group is not None else dist.group.WORLD
+        self.team = team.handle
+        self.world_size = team.world_size
+        self.group_name = group.group_name
+        self.stats: Dict[str, int] = {
+            "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
+        }
+        self.graphs: List[Dict[str, Any]] = []
+        norm_forms = [name for name, (_, norm_weight) in NORM_FORMS.items()
+                      if norm_weight == 0 or supports_norm_weight()]
+        self.patterns: List[FusedPattern] = [
+            *(AllReduceAddRMSNorm(self, form, first) for form in norm_forms
+              for first in (False, True)),
+            *(AllReduceRMSNorm(self, form) for form in norm_forms),
+            QkNormSingleSplit(self, returns_v=True), QkNormSingleSplit(self, returns_v=False),
+            QkNormSlices(self),
+        ]
+        self.rope_patterns: List[FusedPattern] = [QkNormRope(self)]
+        self.stages = [PatternMatcherPass(pass_name="tpfuse_allreduce_norms"),
+                       PatternMatcherPass(pass_name="tpfuse_qk_rope")]
+        for stage, patterns in zip(self.stages, (self.patterns, self.rope_patterns)):
+            for pattern in patterns:
+                pattern.register(stage)
+
+    def fused_kernel_runs(self, x) -> bool:
+        """False when the token count is fixed at compile time and the team would run it through
+        its NCCL path anyway (more than its workspace carries, or more than its selection table
+        gives a fused kernel): that graph is left unfused."""
+        hidden, numel = x.shape[-1], x.numel()
+        # A SymInt is not an int: asking it for a value would specialize the compiled graph.
+        if not isinstance(hidden, int) or not isinstance(numel, int) or hidden <= 0 or numel <= 0:
+            return True
+        return torch.ops.tpfuse.choose(self.team, numel // hidden, hidden, x.dtype) != "nccl"
+
+    def fused_add_rmsnorm(self, x, residual, gamma, eps, norm_weight: int):
+        hidden = x.shape[-1]
+        rows = residual.reshape(-1, hidden) if residual is not None else None
+        # norm_weight only when it is not the default, so builds without it take the plain form.
+        extra = {"norm_weight": norm_weight} if norm_weight else {}
+        norm, residual_out = FUSED_NORM(
+            self.team, x.reshape(-1, hidden), rows, gamma, eps, algorithm=0, **extra
         )
-        second = CallFunction(
-            aten.add.Tensor, CallFunction(aten.mul.Tensor, x2, cos),
-            CallFunction(aten.mul.Tensor, x1, sin),
-        )
-        joined = CallFunction(aten.cat.default, [first, second], arg("_cat_dim"))
-        passed = CallFunction(
-            aten.slice.Tensor, heads, arg("_pass_dim"), arg("_pass_start"), arg("_pass_end")
-        )
-        return CallFunction(
-            aten.reshape.default,
-            CallFunction(aten.cat.default, [joined, passed], arg("_join_dim")),
-            arg("_out_shape"),
-        )
+        return norm.view(x.shape), residual_out.view(x.shape)
 
-    pattern = MultiOutputPattern([chain("q"), chain("k")])
-    register_graph_pattern(pattern, extra_check=_check_rope, pass_dict=patterns)(_rewrite_rope)
-
-
-@functools.lru_cache(None)
-def _rope_patterns() -> PatternMatcherPass:
-    patterns = PatternMatcherPass(pass_name="tpfuse_qk_rope")
-    _register_rope(patterns)
-    return patterns
-
-
-class _Pass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         before = _ops_of(graph)
-        _patterns().apply(graph)
-        graph.eliminate_dead_code()
-        _rope_patterns().apply(graph)
-        graph.eliminate_dead_code()
-        graphs.append({"before": before, "after": _ops_of(graph)})
+        for stage in self.stages:
+            originals = _last_dim_as_minus_one(graph)
+            stage.apply(graph)
+            graph.eliminate_dead_code()
+            for node, args in originals.items():
+                if not node._erased:
+                    node.args = args
+        self.graphs.append(
+            {"before": before, "after": _ops_of(graph), "tpfuse_calls": _tpfuse_calls(graph)}
+        )
 
     def uuid(self) -> Optional[bytes]:
-        # The team handles are baked into the rewritten graph and mean something in this process
+        # The team handle is baked into the rewritten graph and means something in this process
         # only: Inductor's caches must not hand the graph to another process.
-        key = repr((os.getpid(), sorted(_teams.items()))).encode()
-        return hashlib.sha256(b"tpfuse.passes/1" + key).digest()
+        key = (os.getpid(), self.team, self.group_name, self.world_size, supports_norm_weight())
+        return hashlib.sha256(b"tpfuse.passes/2" + repr(key).encode()).digest()
 
 
-def make_pass(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> CustomGraphPass:
-    """The pass for `team` over `group` (default: the world), as a callable on an FX graph, for a
-    pass manager that runs its own list (e.g. vLLM's post-grad pass manager, which already owns
-    Inductor's post_grad_custom_post_pass hook: add this object to it instead of install())."""
-    import torch.distributed as dist
-
-    group = group if group is not None else dist.group.WORLD
-    _teams[group.group_name] = team.handle
-    _world_sizes[group.group_name] = team.world_size
-    return _Pass()
+def make_pass(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> TpfusePass:
+    """The pass for `team` over `group` (default: the world), not installed anywhere."""
+    return TpfusePass(team, group)
 
 
-def install(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
-    """Rewrites, in graphs compiled from now on, all-reduces over `group` (default: the world)
-    followed by add + RMSNorm, and the QK norm, into tpfuse ops on `team`: sets Inductor's
-    post_grad_custom_post_pass (replacing whatever was there)."""
-    inductor_config.post_grad_custom_post_pass = make_pass(team, group)
+def install(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> TpfusePass:
+    """Rewrites, in graphs compiled from now on, the patterns above over `group` (default: the
+    world) into tpfuse ops on `team`: sets Inductor's post_grad_custom_post_pass (replacing
+    whatever was there) to a new pass, and returns it."""
+    fusion = make_pass(team, group)
+    inductor_config.post_grad_custom_post_pass = fusion
+    return fusion
 
 
 def uninstall() -> None:
-    _teams.clear()
-    _world_sizes.clear()
     inductor_config.post_grad_custom_post_pass = None

@@ -33,6 +33,19 @@ def hand_written_rms_norm(h, weight, eps, weight_first=True):
     return weight * hf.to(dtype) if weight_first else hf.to(dtype) * weight
 
 
+def zero_centered_rms_norm(h, weight, eps):
+    """HF transformers' GemmaRMSNorm (and Qwen3-Next's): the weight stored around 0."""
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(h)
+
+
+def norm_weights(fusion):
+    """norm_weight of every fused add + RMSNorm call the pass left (0 where the op lacks it)."""
+    return [call.get("norm_weight", 0) for g in fusion.graphs for call in g["tpfuse_calls"]
+            if call["op"] == FUSED]
+
+
 class Passes(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -43,7 +56,7 @@ class Passes(unittest.TestCase):
                 world_size=1,
             )
         (cls.team,) = tpfuse.cpu_team(1)
-        passes.install(cls.team)
+        cls.fusion = passes.install(cls.team)
         # Every compile runs the passes (a cache hit would skip them, and the counts with them).
         torch._inductor.config.force_disable_caches = True
 
@@ -54,16 +67,16 @@ class Passes(unittest.TestCase):
 
     def compile_and_run(self, model, *args):
         torch._dynamo.reset()
-        passes.stats["allreduce_add_rmsnorm"] = 0
-        passes.graphs.clear()
+        self.fusion.stats["allreduce_add_rmsnorm"] = 0
+        self.fusion.graphs.clear()
         expected = model(*[a.clone() for a in args])
         got = torch.compile(model, fullgraph=True)(*[a.clone() for a in args])
         return got, expected
 
     def check_rewritten(self, sites):
-        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], sites)
-        before = [op for g in passes.graphs for op in g["before"]]
-        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], sites)
+        before = [op for g in self.fusion.graphs for op in g["before"]]
+        after = [op for g in self.fusion.graphs for op in g["after"]]
         self.assertEqual(before.count(ALL_REDUCE), sites)
         self.assertEqual(after.count(ALL_REDUCE), 0, after)
         self.assertEqual(after.count(FUSED), sites, after)
@@ -107,7 +120,7 @@ class Passes(unittest.TestCase):
             return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, 1e-5), h
 
         got, expected = self.compile_and_run(model, *self.inputs())
-        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 0)
         self.check_close(got, expected)
 
     def test_without_residual(self):
@@ -141,18 +154,85 @@ class Passes(unittest.TestCase):
             return (hf * torch.rsqrt(hf.pow(2).mean(0, keepdim=True) + 1e-6)).to(h.dtype), h
 
         got, expected = self.compile_and_run(model, *self.inputs())
-        self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 0)
         self.check_close(got, expected)
 
 
+    @unittest.skipUnless(passes.supports_norm_weight(),
+                         "this build's allreduce_add_rmsnorm has no norm_weight argument yet")
+    def test_zero_centered_norm_with_and_without_residual(self):
+        def with_residual(x, residual, weight):
+            h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            return zero_centered_rms_norm(h, weight, 1e-6), h
+
+        def without_residual(x, residual, weight):
+            h = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            return zero_centered_rms_norm(h, weight, 1e-6), h * 2
+
+        for model in (with_residual, without_residual):
+            got, expected = self.compile_and_run(model, *self.inputs())
+            self.check_rewritten(1)
+            self.assertEqual(norm_weights(self.fusion), [1])
+            self.check_close(got, expected)
+
+    def test_plain_and_zero_centered_norms_keep_to_their_own_form(self):
+        def plain(x, residual, weight):
+            h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            a = hand_written_rms_norm(h, weight, 1e-6)
+            h = funcol.all_reduce(a, "sum", dist.group.WORLD) + h
+            return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, 1e-6), h
+
+        got, expected = self.compile_and_run(plain, *self.inputs())
+        self.check_rewritten(2)
+        self.assertEqual(norm_weights(self.fusion), [0, 0])
+        self.check_close(got, expected)
+
+        def zero_centered(x, residual, weight):
+            h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            return zero_centered_rms_norm(h, weight, 1e-6), h
+
+        got, expected = self.compile_and_run(zero_centered, *self.inputs())
+        # Never a plain-weight call: fused with norm_weight=1 where the op has it, else unfused.
+        sites = 1 if passes.supports_norm_weight() else 0
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], sites)
+        self.assertEqual(norm_weights(self.fusion), [1] * sites)
+        after = [op for g in self.fusion.graphs for op in g["after"]]
+        self.assertEqual(after.count(ALL_REDUCE), 1 - sites, after)
+        self.check_close(got, expected)
+
+    def test_each_pass_owns_its_team_counts_and_graphs(self):
+        (other_team,) = tpfuse.cpu_team(1)
+        try:
+            other = passes.make_pass(other_team)
+            self.assertIs(torch._inductor.config.post_grad_custom_post_pass, self.fusion)
+            self.assertNotEqual(other.uuid(), self.fusion.uuid())
+            self.assertEqual(other.uuid(), passes.make_pass(other_team).uuid())
+
+            def model(x, residual, weight):
+                h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+                return hand_written_rms_norm(h, weight, 1e-6), h
+
+            self.compile_and_run(model, *self.inputs())
+            self.check_rewritten(1)
+            self.assertEqual(other.stats["allreduce_add_rmsnorm"], 0)
+            self.assertEqual(other.graphs, [])
+            calls = [call for g in self.fusion.graphs for call in g["tpfuse_calls"]]
+            self.assertEqual([(c["op"], c["eps"], c["algorithm"]) for c in calls],
+                             [(FUSED, 1e-6, 0)])
+            passes.uninstall()
+            self.assertIsNone(torch._inductor.config.post_grad_custom_post_pass)
+        finally:
+            torch._inductor.config.post_grad_custom_post_pass = self.fusion
+            other_team.close()
+
     def check_qk(self, model, qkv, q_weight, k_weight, sites=1):
         torch._dynamo.reset()
-        passes.stats["allreduce_qk_rmsnorm"] = 0
-        passes.graphs.clear()
+        self.fusion.stats["allreduce_qk_rmsnorm"] = 0
+        self.fusion.graphs.clear()
         expected = model(qkv, q_weight, k_weight)
         got = torch.compile(model, fullgraph=True)(qkv, q_weight, k_weight)
-        self.assertEqual(passes.stats["allreduce_qk_rmsnorm"], sites)
-        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(self.fusion.stats["allreduce_qk_rmsnorm"], sites)
+        after = [op for g in self.fusion.graphs for op in g["after"]]
         self.assertEqual(after.count(ALL_REDUCE), 0, after)
         self.assertEqual(after.count("tpfuse.allreduce_qk_rmsnorm.default"), sites, after)
         self.check_close(got, expected)
@@ -164,12 +244,12 @@ class Passes(unittest.TestCase):
 
         # A team whose packets carry 64 KiB: 512 rows of 64 bf16 one-shot, fewer two-shot.
         (small,) = tpfuse.cpu_team(1, packet_bytes=64 << 10)
-        passes.install(small)
+        self.fusion = passes.install(small)
         try:
             self.assertEqual(small.choose(600, 64, torch.bfloat16), "nccl")
             got, expected = self.compile_and_run(model, *self.inputs(tokens=600))
-            self.assertEqual(passes.stats["allreduce_add_rmsnorm"], 0)
-            after = [op for g in passes.graphs for op in g["after"]]
+            self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 0)
+            after = [op for g in self.fusion.graphs for op in g["after"]]
             self.assertEqual(after.count(ALL_REDUCE), 1, after)
             self.assertEqual(after.count(FUSED), 0, after)
             self.check_close(got, expected)
@@ -178,7 +258,8 @@ class Passes(unittest.TestCase):
             self.compile_and_run(model, *self.inputs(tokens=400))
             self.check_rewritten(1)
         finally:
-            passes.install(self.team)
+            del self.fusion  # back to the class's pass, on the class's team
+            torch._inductor.config.post_grad_custom_post_pass = self.fusion
             small.close()
 
     def test_minimax_qk_norm_single_split(self):
@@ -210,15 +291,15 @@ class Passes(unittest.TestCase):
 
     def check_qk_rope(self, model, args, rope_sites):
         torch._dynamo.reset()
-        passes.stats["allreduce_qk_rmsnorm"] = 0
-        passes.stats["allreduce_qk_rmsnorm_rope"] = 0
-        passes.graphs.clear()
+        self.fusion.stats["allreduce_qk_rmsnorm"] = 0
+        self.fusion.stats["allreduce_qk_rmsnorm_rope"] = 0
+        self.fusion.graphs.clear()
         expected = model(*args)
         got = torch.compile(model, fullgraph=True)(*args)
-        self.assertEqual(passes.stats["allreduce_qk_rmsnorm"], 1)
-        self.assertEqual(passes.stats["allreduce_qk_rmsnorm_rope"], rope_sites)
-        before = [op for g in passes.graphs for op in g["before"]]
-        after = [op for g in passes.graphs for op in g["after"]]
+        self.assertEqual(self.fusion.stats["allreduce_qk_rmsnorm"], 1)
+        self.assertEqual(self.fusion.stats["allreduce_qk_rmsnorm_rope"], rope_sites)
+        before = [op for g in self.fusion.graphs for op in g["before"]]
+        after = [op for g in self.fusion.graphs for op in g["after"]]
         self.assertEqual(after.count(ALL_REDUCE), 0, after)
         self.assertEqual(after.count("tpfuse.allreduce_qk_rmsnorm.default"), 1, after)
         # Folded: the RoPE arithmetic (and the cache lookup) left the graph; else it stayed.

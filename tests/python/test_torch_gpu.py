@@ -96,14 +96,14 @@ def _rank_main(rank, world, store_path, failures):
         cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)  # fp32 cos | sin
         args = (x, res, w, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache)
         eager = _layer(*args)
-        passes.install(team)
+        fusion = passes.install(team)
         torch._inductor.config.force_disable_caches = True
         compiled = torch.compile(_layer, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):  # warm-up, record, replay
             got = compiled(*args)
-        assert passes.stats["allreduce_add_rmsnorm"] == 1, passes.stats
-        assert passes.stats["allreduce_qk_rmsnorm"] == 1, passes.stats
-        assert passes.stats["allreduce_qk_rmsnorm_rope"] == 1, passes.stats
+        assert fusion.stats["allreduce_add_rmsnorm"] == 1, fusion.stats
+        assert fusion.stats["allreduce_qk_rmsnorm"] == 1, fusion.stats
+        assert fusion.stats["allreduce_qk_rmsnorm_rope"] == 1, fusion.stats
         for g, e in zip(got, eager):
             torch.testing.assert_close(g.float(), e.float(), atol=4e-2, rtol=4e-2)
 
