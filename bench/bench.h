@@ -31,7 +31,8 @@ struct Options {
   // 0: the mode's default (the CPU mode takes fewer, so that its default run stays short).
   int ops_per_graph = 0;
   int replays = 0;
-  std::string out_path;  // empty: bench/results/<device>-<date>-<commit>.json
+  std::string out_path;  // --out; empty: out_dir/<default name> (results_path.h)
+  std::string out_dir;   // --out-dir; empty: ./tpfuse-results
   BackendChoice backend = BackendChoice::kAuto;
   size_t packet_bytes = size_t{16} << 20;
   double peer_timeout_seconds = 10.0;  // TeamOptions::peer_timeout_seconds (0: unchecked)

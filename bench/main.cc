@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "results_path.h"
 
 #ifndef TPFUSE_BENCH_SOURCE_DIR
 #define TPFUSE_BENCH_SOURCE_DIR "."
@@ -40,7 +41,10 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
                        serving runs; default: one process drives every GPU (create_cuda_team)
   --peer-timeout S     TeamOptions::peer_timeout_seconds (default 10; 0: unchecked polling),
                        to measure what checked mode costs
-  --out PATH           results JSON (default bench/results/<device>-<YYYYMMDD>-<commit>.json)
+  --out PATH           results JSON at PATH (taken: NAME-1.json, NAME-2.json, ... beside it)
+  --out-dir DIR        results JSON in DIR under the default name (default DIR: ./tpfuse-results,
+                       in the working directory): <device>-x<world>-<YYYYMMDD>-<HHMMSS>-<commit>.json
+                       (UTC); a name already taken gets -1, -2, ...: no run overwrites another
   --help               this text
 
 environment:
@@ -106,7 +110,8 @@ Options parse_options(int argc, char** argv) {
     }
     static const char* const kFlags[] = {
         "--hidden",     "--tokens",  "--dtype", "--world",     "--ops-per-graph", "--replays",
-        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout"};
+        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout",
+        "--out-dir"};
     if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
       usage_error("unknown option '" + flag + "'");
     }
@@ -165,9 +170,14 @@ Options parse_options(int argc, char** argv) {
       } else {
         usage_error("--backend expects auto, cuda or cpu, got '" + value + "'");
       }
+    } else if (flag == "--out-dir") {
+      options.out_dir = value;
     } else {  // --out
       options.out_path = value;
     }
+  }
+  if (!options.out_path.empty() && !options.out_dir.empty()) {
+    usage_error("--out and --out-dir exclude each other");
   }
   return options;
 }
@@ -193,8 +203,9 @@ std::string source_dir() {
   return ".";
 }
 
-// Short commit, "-dirty" if the checkout has changes; "unknown" without git. Results files are left
-// out of the check: otherwise the results of one run would mark every later run dirty.
+// Short commit, "-dirty" if the checkout has changes; "unknown" without git. Committed results are
+// left out of the check (and ./tpfuse-results is ignored by git): otherwise the results of one run
+// would mark every later run dirty.
 std::string git_commit() {
   // A copy of the tree without .git (a machine the sources were shipped to) can be told.
   const char* given = std::getenv("TPFUSE_BENCH_COMMIT");
@@ -207,10 +218,9 @@ std::string git_commit() {
   return changes.empty() ? commit : commit + "-dirty";
 }
 
-std::string utc_time(const char* format) {
-  const std::time_t now = std::time(nullptr);
+std::string utc_time(std::time_t when, const char* format) {
   std::tm utc{};
-  gmtime_r(&now, &utc);
+  gmtime_r(&when, &utc);
   char text[64];
   std::strftime(text, sizeof(text), format, &utc);
   return text;
@@ -230,12 +240,17 @@ std::string slug(const std::string& name) {
   return out.empty() ? "unknown" : out;
 }
 
-std::string default_out_path(const RunInfo& info, int world_size) {
-  const std::filesystem::path results = std::filesystem::path(source_dir()) / "bench" / "results";
-  const std::string device = info.backend == "cpu" ? "cpu" : slug(info.gpu);
-  const std::string name = device + "-x" + std::to_string(world_size) + "-" + utc_time("%Y%m%d") +
-                           "-" + info.commit + ".json";
-  return (results / name).string();
+// The file this run writes: --out, or the default name in --out-dir (default ./tpfuse-results),
+// created here with a numeric suffix if the name is taken (results_path.h).
+std::string create_out_file(const Options& options, const RunInfo& info, int world_size,
+                            std::time_t start) {
+  std::filesystem::path wanted = options.out_path;
+  if (wanted.empty()) {
+    const std::string device = info.backend == "cpu" ? "cpu" : slug(info.gpu);
+    const std::filesystem::path dir = options.out_dir.empty() ? kDefaultResultsDir : options.out_dir;
+    wanted = dir / (results_stem(device, world_size, start, info.commit) + ".json");
+  }
+  return create_unique_file(wanted).string();
 }
 
 enum class Mode { kGpu, kCpu };
@@ -278,7 +293,8 @@ int run(int argc, char** argv) {
   RunInfo info;
   info.dtype = short_dtype_name(options.dtype);
   info.commit = git_commit();
-  info.date = utc_time("%Y-%m-%dT%H:%M:%SZ");
+  const std::time_t start = std::time(nullptr);
+  info.date = utc_time(start, "%Y-%m-%dT%H:%M:%SZ");
 
   const Mode mode = choose_mode(options);
   std::vector<Record> records;
@@ -298,10 +314,7 @@ int run(int argc, char** argv) {
   }
 
   print_table(info, records);
-  const std::string out_path =
-      options.out_path.empty() ? default_out_path(info, world_size) : options.out_path;
-  const std::filesystem::path parent = std::filesystem::path(out_path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
+  const std::string out_path = create_out_file(options, info, world_size, start);
   write_json(out_path, info, records);
   std::printf("\nwrote %zu records to %s\n", records.size(), out_path.c_str());
   return 0;

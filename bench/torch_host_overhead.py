@@ -4,17 +4,21 @@ at a size where the GPU work is small (1 token of 3072 bf16). Per variant: the w
 `calls` back-to-back eager calls divided by `calls` (the host issue rate, as the GPU keeps up),
 median of `repeats`, rank 0. Needs two GPUs.
 
-    python3 bench/torch_host_overhead.py [--calls 2000] [--repeats 7] [--out results.json]
+    python3 bench/torch_host_overhead.py [--calls 2000] [--repeats 7] [--out PATH | --out-dir DIR]
 """
 
 import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results_path  # noqa: E402
 
 
 def _rank_main(rank, world, store_path, args, queue):
@@ -76,7 +80,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default="")
+    results_path.add_arguments(parser)
     args = parser.parse_args()
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
@@ -98,7 +102,9 @@ def main():
     results = queue.get()
     for name, us in results.items():
         print(f"{name:40s} {us:8.2f} us per eager call (wall / calls, rank 0)")
-    if args.out:
+    out = results_path.reserve(args, torch.cuda.get_device_name(0), world,
+                               results_path.commit(), "host-overhead")
+    if out:
         record = {
             "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__,
@@ -107,8 +113,9 @@ def main():
             "repeats": args.repeats,
             "us_per_call": results,
         }
-        with open(args.out, "w") as file:
+        with open(out, "w") as file:
             json.dump(record, file, indent=1)
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ the unfused pattern an engine without custom kernels runs (torch eager: fp32 mea
 and k, one NCCL all-reduce of both through torch.distributed, rsqrt, weights, then the native
 rotate-half RoPE) against tpfuse's fused op called from torch, without and with RoPE.
 
-    python3 bench/torch_qk_baseline.py [--tokens 1,4,16,64,256] [--out results.json]
+    python3 bench/torch_qk_baseline.py [--tokens 1,4,16,64,256] [--out PATH | --out-dir DIR]
     python3 bench/torch_qk_baseline.py --cpu            # the smoke run the tests use (world 1)
 
 Method (GPU): per variant, a CUDA graph of `ops` back-to-back calls, replayed; the median replay
@@ -26,9 +26,11 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode import _qk_norm_unfused, init_rank, run_info, run_ranks  # noqa: E402
 from model import relative_error, rope  # noqa: E402
+import results_path  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, EPS, MAX_POSITION = 48, 8, 128, 64, 1e-6, 4096
 
@@ -177,7 +179,7 @@ def parse_args(argv=None):
     parser.add_argument("--calls", type=int, default=20, help="CPU: calls per wall-time sample")
     parser.add_argument("--world", type=int, default=0, help="ranks (default: every GPU)")
     parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (gloo, world 1)")
-    parser.add_argument("--out", default="")
+    results_path.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -200,9 +202,11 @@ def main(argv=None) -> int:
     for r in records:
         print(f"{r['impl']:>22} tokens {r['tokens']:>5}: {r['us']:9.2f} us "
               f"(q/k vs the other form: {r['rel_err_vs_other']:.1e})")
-    if args.out:
-        with open(args.out, "w") as file:
+    out = results_path.reserve(args, info["device"], world, info["commit"], "torch-qk")
+    if out:
+        with open(out, "w") as file:
             json.dump({"info": info, "records": records}, file, indent=1)
+        print(f"wrote {out}")
     return 0
 
 

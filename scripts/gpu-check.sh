@@ -86,13 +86,17 @@ fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
   step bench
+  # tpfuse-bench never overwrites: a bench.json already in $OUT makes it write bench-1.json, ...;
+  # the file it wrote is the one its last line names.
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
-  python3 bench/plot_results.py "$OUT/bench.json" >/dev/null 2>&1 || echo "plot failed"
+  bench_json=$(sed -n 's/^wrote [0-9]* records to //p' "$OUT/bench.log" | tail -1)
+  bench_json=${bench_json:-$OUT/bench.json}
+  python3 bench/plot_results.py "$bench_json" >/dev/null 2>&1 || echo "plot failed"
   # The selection table with this machine's measured rows merged in (a new GPU or world size:
   # commit it as data/algorithms.csv with the results, and fix the note's file name to theirs,
   # or rerun bench/selection_table.py with --source). Its warnings (a run that measured less far
   # than the rows it replaces) are printed here as well as logged.
-  python3 bench/selection_table.py "$OUT/bench.json" --merge data/algorithms.csv \
+  python3 bench/selection_table.py "$bench_json" --merge data/algorithms.csv \
     >"$OUT/algorithms.csv" 2>"$OUT/selection.log" || echo "selection table failed"
   tee -a "$OUT/bench.log" <"$OUT/selection.log"
   rm -f "$OUT/selection.log"
@@ -165,7 +169,9 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${E2E_TIMEOUT:-400} \
     python3 bench/e2e/decode.py --out "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" |
     grep -v -i warn | tail -45 || status=1
-  python3 bench/e2e/plot.py "$OUT/e2e.json" >/dev/null 2>&1 || echo "e2e plot failed"
+  # decode.py never overwrites either: the file is the one its "wrote" line names.
+  e2e_json=$(sed -n 's/^wrote //p' "$OUT/e2e.log" | tail -1)
+  python3 bench/e2e/plot.py "${e2e_json:-$OUT/e2e.json}" >/dev/null 2>&1 || echo "e2e plot failed"
 fi
 # The device tool returns at most 8 files: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)

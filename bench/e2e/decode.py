@@ -1,6 +1,6 @@
 """End-to-end decode benchmark: a MiniMax-M2-shaped TP model (model.py), unfused against fused.
 
-    python3 bench/e2e/decode.py --out bench/results/e2e.json      # one process per GPU it finds
+    python3 bench/e2e/decode.py --out-dir tpfuse-results      # one process per GPU it finds
     python3 bench/e2e/decode.py --cpu --layers 2 ...               # the CPU smoke run (world 1)
 
 Modes (same weights, same inputs):
@@ -32,7 +32,8 @@ random weights and bf16 logits give many near-ties (two logits within a bf16 ste
 where any change of rounding may flip the argmax), the same 32 steps teacher-forced with (a)'s
 tokens: each step's logits against (a)'s, the steps whose argmax differs, and (a)'s top-2 margin
 at each such step. Mode (a) runs its greedy steps twice: the model's own run-to-run
-reproducibility. Results: one JSON of records (bench/results/), summarized on stdout.
+reproducibility. Results: summarized on stdout; one JSON of records with --out PATH or --out-dir DIR
+(bench/results_path.py: unique names, never an overwrite).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import results_path  # noqa: E402
 
 from model import (  # noqa: E402
     Collectives,
@@ -649,7 +653,7 @@ def parse_args(argv=None):
                         help="the attention backend (default flash: torch's own choice for "
                              "these shapes gives other bits from run to run on an H200 pair, "
                              "which makes comparing modes' tokens meaningless)")
-    parser.add_argument("--out", default="")
+    results_path.add_arguments(parser)
     args = parser.parse_args(argv)
     for mode in args.modes:
         if mode not in MODES:
@@ -666,10 +670,14 @@ def main(argv=None):
             print("no CUDA GPUs: run with --cpu for the CPU smoke run", file=sys.stderr)
             return 2
         world = args.world or torch.cuda.device_count()
+    info = dict(run_info(args.cpu, world), sdpa=args.sdpa)
+    # The file is made now, so that the ranks' partial records go beside it under its name.
+    args.out = results_path.reserve(args, info["device"], world, info["commit"], "e2e")
     records = run_ranks(_rank_main, world, args)
     if records is None:
+        if args.out and os.path.getsize(args.out) == 0:
+            os.remove(args.out)
         return 1
-    info = dict(run_info(args.cpu, world), sdpa=args.sdpa)
     summary = summarize(records)
     print_summary(summary)
     if args.out:

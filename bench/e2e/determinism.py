@@ -1,6 +1,6 @@
 """Run-to-run reproducibility of the end-to-end model's pieces on one GPU (no collectives).
 
-    python3 bench/e2e/determinism.py [--out results.json]
+    python3 bench/e2e/determinism.py [--out PATH | --out-dir DIR]
 
 The decode benchmark (decode.py) found that mode (a) does not repeat its own greedy tokens: this
 runs each piece of a decoder layer twice on the same inputs and says which ones give other bits
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import Local  # noqa: E402
+from decode import Local  # noqa: E402  (also puts bench/ on the path)
+import results_path  # noqa: E402
 from model import Config, Decoder, KvCache, Weights, grouped_gemm_works, moe  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def repeats(fn, times=20) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="")
+    results_path.add_arguments(parser)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="a tiny config on the CPU (smoke)")
     args = parser.parse_args(argv)
@@ -108,9 +109,12 @@ def main(argv=None) -> int:
         for name, outcome in pieces.items():
             print(f"{batch:>6} {name:<36} {outcome['differ_from_first']}/{outcome['runs'] - 1} "
                   f"repeats differ")
-    if args.out:
-        with open(args.out, "w") as file:
+    out = results_path.reserve(args, results["device"], 1,
+                               results_path.commit(), "determinism")
+    if out:
+        with open(out, "w") as file:
             json.dump(results, file, indent=1)
+        print(f"wrote {out}")
     return 0
 
 

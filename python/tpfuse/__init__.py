@@ -18,6 +18,9 @@ from ._library import library_path
 
 torch.ops.load_library(library_path())
 
+# The library's version (CMakeLists.txt's project(VERSION), the one source of the number).
+__version__ = torch.ops.tpfuse.version()
+
 from .ops import (  # noqa: E402  (the library must be loaded first)
     ALGORITHMS,
     NormWeight,
@@ -30,6 +33,7 @@ from .ops import (  # noqa: E402  (the library must be loaded first)
 from .team import Team, cpu_team, cuda_team  # noqa: E402
 
 __all__ = [
+    "__version__",
     "ALGORITHMS",
     "NormWeight",
     "RopeStyle",

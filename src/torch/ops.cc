@@ -21,6 +21,7 @@
 #endif
 
 #include "tpfuse/tpfuse.h"
+#include "tpfuse/version.h"
 
 namespace tpfuse::torch_ops {
 namespace {
@@ -340,6 +341,10 @@ std::string choose_op(int64_t handle, int64_t tokens, int64_t hidden, at::Scalar
   return algorithm_name(team.choose(tokens, hidden, dtype_of(probe, "choose", "dtype")));
 }
 
+std::string version_op() {
+  return version();
+}
+
 }  // namespace
 }  // namespace tpfuse::torch_ops
 
@@ -369,6 +374,7 @@ TORCH_LIBRARY(tpfuse, m) {
   m.def("release_team(int team) -> ()", &release_team_op);
   m.def("team_info(int team) -> (int, int, int, str, str)", &team_info_op);
   m.def("choose(int team, int tokens, int hidden, ScalarType dtype) -> str", &choose_op);
+  m.def("version() -> str", &version_op);
 }
 
 TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
