@@ -2,7 +2,7 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench experiments profile python e2e" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench experiments ab profile python e2e" scripts/gpu-check.sh
 #
 # python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
 # passes under CUDA graphs), bench/torch_host_overhead.py and bench/torch_qk_baseline.py. e2e:
@@ -118,6 +118,28 @@ if [[ " $STEPS " == *" experiments "* ]]; then
     grep -E "^(qk norm|hidden)" "$OUT/experiments/$name.log" | sed 's/^/  /'
   done
   (cd "$OUT" && tar czf experiments.tgz --remove-files experiments)
+fi
+if [[ " $STEPS " == *" ab "* ]]; then
+  step ab
+  # Same-machine A/B of this tree against another source tree (AB_BASE: e.g. `git archive` of
+  # the commit before a change, carried as an ignored folder): its tpfuse-bench is built beside
+  # this one with the same preset, then the two run alternately AB_ROUNDS times with AB_ARGS;
+  # scripts/ab_compare.py prints each op's median over the rounds and the ratio.
+  AB_BASE=${AB_BASE:?ab needs AB_BASE, a source tree to compare with}
+  cmake -S "$AB_BASE" -B build/ab-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPFUSE_CUDA=ON     -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_TESTS=OFF ${nccl_root:+-DNCCL_ROOT=$nccl_root}     >"$OUT/ab-build.log" 2>&1 &&
+    cmake --build build/ab-base -j 16 --target tpfuse-bench >>"$OUT/ab-build.log" 2>&1 ||
+    { echo "AB BASE BUILD FAILED"; tail -20 "$OUT/ab-build.log"; status=1; }
+  mkdir -p "$OUT/ab"
+  for round in $(seq 1 ${AB_ROUNDS:-2}); do
+    for side in base new; do
+      binary=$BUILD/bench/tpfuse-bench
+      [ $side = base ] && binary=build/ab-base/bench/tpfuse-bench
+      TPFUSE_BENCH_COMMIT=$side "$binary" --out "$OUT/ab/$side-$round.json" ${AB_ARGS:-}         >"$OUT/ab/$side-$round.log" 2>&1 || status=1
+    done
+  done
+  python3 scripts/ab_compare.py --base "$OUT"/ab/base-*.json --new "$OUT"/ab/new-*.json \
+    | tee "$OUT/ab-compare.txt"
+  (cd "$OUT" && tar czf ab.tgz --remove-files ab)
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile

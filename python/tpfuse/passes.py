@@ -73,11 +73,6 @@ def op_arguments(node: torch.fx.Node) -> Dict[str, Any]:
     return values
 
 
-def supports_norm_weight() -> bool:
-    """Whether this build's allreduce_add_rmsnorm takes norm_weight (1: the weight is 1 + gamma)."""
-    return any(argument.name == "norm_weight" for argument in FUSED_NORM._schema.arguments)
-
-
 # --- dims: a traced pattern holds the spelling its own trace produced (mean(-1) gives [-1],
 # rms_norm gives [ndim - 1], x[..., :n] gives ndim - 1), and the graph may hold either; both sides
 # are brought to -1 before matching, and the graph's untouched nodes get theirs back afterwards.
@@ -506,8 +501,7 @@ class TpfusePass(CustomGraphPass):
             "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
         }
         self.graphs: List[Dict[str, Any]] = []
-        norm_forms = [name for name, (_, norm_weight) in NORM_FORMS.items()
-                      if norm_weight == 0 or supports_norm_weight()]
+        norm_forms = list(NORM_FORMS)
         self.patterns: List[FusedPattern] = [
             *(AllReduceAddRMSNorm(self, form, first) for form in norm_forms
               for first in (False, True)),
@@ -558,7 +552,7 @@ class TpfusePass(CustomGraphPass):
     def uuid(self) -> Optional[bytes]:
         # The team handle is baked into the rewritten graph and means something in this process
         # only: Inductor's caches must not hand the graph to another process.
-        key = (os.getpid(), self.team, self.group_name, self.world_size, supports_norm_weight())
+        key = (os.getpid(), self.team, self.group_name, self.world_size)
         return hashlib.sha256(b"tpfuse.passes/2" + repr(key).encode()).digest()
 
 

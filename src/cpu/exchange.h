@@ -89,7 +89,7 @@ using CpuSession = LamportSession<ThreadCoop>;
 // The session of this rank's next call; throws if the team failed earlier (a failed rank sends
 // nothing, so its peers time out too).
 inline CpuSession begin_session(const Exchange& exchange) {
-  const CpuSession session(exchange, read_call_state<ThreadCoop>(exchange.control));
+  const CpuSession session(read_call_state<ThreadCoop>(exchange.control));
   if (session.failed()) {
     TPF_FAIL("rank " << exchange.rank << ": the team failed earlier (rank "
                      << ThreadCoop::load(&exchange.control->error) - 1

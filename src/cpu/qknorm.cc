@@ -101,16 +101,16 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
     row_sums<T>(p, token, sum_q, sum_k);
     const Vec16 packet = rewrite_sentinel(qk_packet(sum_q, sum_k));
     for (int r = 0; r < x.world_size; ++r) {
-      store_vector(session.send_region(r) + token * 16, packet);
+      store_vector(x.workspace[r] + session.send_offset(x) + token * 16, packet);
     }
   }
-  session.clear_previous();
+  session.clear_previous(x);
 
   // Receive: sum the packets in rank order, then normalize, rotate, store.
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
-      const Vec16 packet = poll_vector(session.receive_region(r) + token * 16, x.timeout_ns,
+      const Vec16 packet = poll_vector(session.receive_region(x, r) + token * 16, x.timeout_ns,
                                        x.error_flag, x.rank, r);
       if (r == 0) {
         accumulate_first<float>(sums, packet);
@@ -120,7 +120,7 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
     }
     normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }
-  session.arrive(size_t(p.tokens) * 16);
+  session.arrive(x.control, size_t(p.tokens) * 16);
 }
 
 }  // namespace

@@ -75,9 +75,10 @@ void receive_row(const CpuSession& session, const RowCall& p, size_t offset, int
   for (int64_t v = 0; v < vectors; ++v) {
     Lanes<T>& lanes = lanes_at<T>(acc, v);
     for (int r = 0; r < x.world_size; ++r) {
-      const Vec16 packet = r == x.rank ? rewrite_sentinel(load_plain(p.input, own_vector + v))
-                                       : poll_vector(session.receive_region(r) + offset + v * 16,
-                                                     x.timeout_ns, x.error_flag, x.rank, r);
+      const Vec16 packet =
+          r == x.rank ? rewrite_sentinel(load_plain(p.input, own_vector + v))
+                      : poll_vector(session.receive_region(p.exchange, r) + offset + v * 16,
+                                    x.timeout_ns, x.error_flag, x.rank, r);
       if (r == 0) {
         accumulate_first<T>(lanes, packet);
       } else {
@@ -89,9 +90,9 @@ void receive_row(const CpuSession& session, const RowCall& p, size_t offset, int
 
 // Stores `vectors` vectors of `source` (sentinel words rewritten) at `offset` of this rank's
 // sender region of the call's slot in rank `receiver`'s workspace.
-void send_row(const CpuSession& session, int receiver, size_t offset, const void* source,
-              int64_t first_vector, int64_t vectors) {
-  char* base = session.send_region(receiver) + offset;
+void send_row(const Exchange& x, const CpuSession& session, int receiver, size_t offset,
+              const void* source, int64_t first_vector, int64_t vectors) {
+  char* base = x.workspace[receiver] + session.send_offset(x) + offset;
   for (int64_t v = 0; v < vectors; ++v) {
     store_vector(base + v * 16, rewrite_sentinel(load_plain(source, first_vector + v)));
   }
@@ -104,10 +105,10 @@ void oneshot(const RowCall& p) {
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
 
   // Send: this rank's packet, sentinel words rewritten, into every other rank's slot.
-  for (int r = 0; r < session.world(); ++r) {
-    if (r != session.rank()) send_row(session, r, 0, p.input, 0, p.tokens * vectors);
+  for (int r = 0; r < session.world(p.exchange); ++r) {
+    if (r != p.exchange.rank) send_row(p.exchange, session, r, 0, p.input, 0, p.tokens * vectors);
   }
-  session.clear_previous();
+  session.clear_previous(p.exchange);
 
   // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
   std::vector<float> acc(size_t(p.hidden));
@@ -115,7 +116,7 @@ void oneshot(const RowCall& p) {
     receive_row<T>(session, p, size_t(token) * row_bytes, token * vectors, vectors, acc);
     finish_row<T, Epilogue>(acc, p, token);
   }
-  session.arrive(uint64_t(p.tokens) * row_bytes);
+  session.arrive(p.exchange.control, uint64_t(p.tokens) * row_bytes);
 }
 
 // Two-shot (tpfuse/impl/lamport.h): reduce-scatter the input rows to their owners, finish the
@@ -123,21 +124,21 @@ void oneshot(const RowCall& p) {
 template <typename T, typename Epilogue>
 void twoshot(const RowCall& p) {
   const CpuSession session = begin_session(p.exchange);
-  const int rank = session.rank();
+  const int rank = p.exchange.rank;
   const int64_t vectors = p.hidden / Packed<T>::kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
-  const TwoShotLayout layout(p.tokens, session.world());
+  const TwoShotLayout layout(p.tokens, session.world(p.exchange));
 
   // Reduce-scatter: each input row to the rank that owns its token (its own rows stay in its
   // input).
-  for (int owner = 0; owner < session.world(); ++owner) {
+  for (int owner = 0; owner < session.world(p.exchange); ++owner) {
     if (owner == rank) continue;
     for (int64_t local = 0; local < layout.count(owner); ++local) {
-      send_row(session, owner, layout.scatter_row(local, row_bytes), p.input,
+      send_row(p.exchange, session, owner, layout.scatter_row(local, row_bytes), p.input,
                (layout.begin(owner) + local) * vectors, vectors);
     }
   }
-  session.clear_previous();
+  session.clear_previous(p.exchange);
 
   // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
   std::vector<float> acc(size_t(p.hidden));
@@ -146,9 +147,10 @@ void twoshot(const RowCall& p) {
                    (layout.begin(rank) + local) * vectors, vectors, acc);
     finish_row<T, Epilogue>(
         acc, p, layout.begin(rank) + local, [&](int64_t v, const Vec16& rounded) {
-          for (int r = 0; r < session.world(); ++r) {
+          for (int r = 0; r < session.world(p.exchange); ++r) {
             if (r == rank) continue;
-            store_vector(session.send_region(r) + layout.gather_row(local, row_bytes) + v * 16,
+            store_vector(p.exchange.workspace[r] + session.send_offset(p.exchange) +
+                             layout.gather_row(local, row_bytes) + v * 16,
                          rounded);
           }
         });
@@ -156,9 +158,9 @@ void twoshot(const RowCall& p) {
 
   // Rows other ranks own arrive rounded: finish them exactly as their owner did.
   const Exchange& x = p.exchange;
-  for (int owner = 0; owner < session.world(); ++owner) {
+  for (int owner = 0; owner < session.world(p.exchange); ++owner) {
     if (owner == rank) continue;
-    const char* base = session.receive_region(owner);
+    const char* base = session.receive_region(p.exchange, owner);
     for (int64_t local = 0; local < layout.count(owner); ++local) {
       for (int64_t v = 0; v < vectors; ++v) {
         const Vec16 packet = poll_vector(base + layout.gather_row(local, row_bytes) + v * 16,
@@ -168,7 +170,7 @@ void twoshot(const RowCall& p) {
       finish_row<T, typename Epilogue::Gathered>(acc, p, layout.begin(owner) + local);
     }
   }
-  session.arrive(layout.sender_bytes(row_bytes));
+  session.arrive(p.exchange.control, layout.sender_bytes(row_bytes));
 }
 
 template <typename T, typename Epilogue>

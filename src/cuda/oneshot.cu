@@ -50,7 +50,11 @@ namespace {
 
 template <typename T, int kWorldSize, typename Epilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
+  using Session = GpuSession<kWorldSize>;
   constexpr int kElements = Packed<T>::kElements;
+  ControlBlock* const control = p.exchange.control;
+  const int world = Session::world(p.exchange);
+  const int rank = p.exchange.rank;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
 
@@ -58,14 +62,12 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const GpuSession<kWorldSize> session(
-      p.exchange, begin_call<kVecsPerThread>(p.exchange.control, p.input, vectors, input));
+  const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
   if (session.failed()) return;
-  const int rank = session.rank();
-  const int world = session.world();
 
   // 2. Send.
+  const size_t send_offset = session.send_offset(p.exchange);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
 #pragma unroll
@@ -77,24 +79,25 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
         if (kWorldSize == 0 && r >= world) break;
         if (r == rank) continue;  // its own rows the rank reads from its input
-        store_packet(reinterpret_cast<Vec16*>(session.send_region(r)) + index, packet);
+        store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + index,
+                     packet);
       }
     }
   }
 
   // 3. Arrival.
-  if (threadIdx.x == 0) session.arrive(uint64_t(p.tokens * p.hidden) * sizeof(T));
+  if (threadIdx.x == 0) session.arrive(control, uint64_t(p.tokens * p.hidden) * sizeof(T));
 
   // 4.
   launch_dependents();
 
   // 5. Clear.
-  session.clear_previous();
+  session.clear_previous(p.exchange);
 
   // 6. Receive and finish. The residual and gamma loads are issued before the polls.
   Vec16 gamma[kVecsPerThread];
   if constexpr (Epilogue::kHasNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  const Vec16* slot_base = reinterpret_cast<const Vec16*>(session.receive_region(0));
+  const Vec16* slot_base = reinterpret_cast<const Vec16*>(session.receive_region(p.exchange, 0));
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 residual[kVecsPerThread];
     if constexpr (Epilogue::kHasResidual)

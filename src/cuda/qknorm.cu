@@ -66,7 +66,6 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   constexpr int kElements = Packed<T>::kElements;
   static_assert(!kLoadAhead || kVecsPerThread <= 2, "wider rows would spill the second set");
   ControlBlock* const control = p.exchange.control;
-  const int rank = p.exchange.rank;
   const int64_t q_vectors = p.q_size / kElements;
   const int64_t vectors = (p.q_size + p.kv_size) / kElements;
   const int64_t row = p.q_size + 2 * p.kv_size;
@@ -206,20 +205,22 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       p.sums[2 * token + 1] = p.counts_k ? sums.y : 0.0f;
     }
     if (kFused && threadIdx.x == 0 && state.failed == 0) {
-      const GpuSession<kWorldSize> sender(p.exchange, state);  // thread 0's own read
+      const GpuSession<kWorldSize> sender(state);  // thread 0's own read
+      const size_t send_offset = sender.send_offset(p.exchange);
       const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
 #pragma unroll
       for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
-        if (kWorldSize == 0 && r >= sender.world()) break;
-        store_packet(reinterpret_cast<Vec16*>(sender.send_region(r)) + token, packet);
+        if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
+        store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
+                     packet);
       }
     }
   }
 
   if constexpr (kPass == QkPass::kSums) return;
   if (kFused && shared_state.failed != 0) return;
-  const GpuSession<kWorldSize> session(p.exchange, kFused ? shared_state : CallState{0, 0, 0});
-  const int world = session.world();
+  const GpuSession<kWorldSize> session(kFused ? shared_state : CallState{0, 0, 0});
+  const int world = session.world(p.exchange);
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t c = vector_of(i);
@@ -230,16 +231,16 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   // 3. Arrival (by a thread of the second warp where there is one: thread 0, which polls, then
   // need not wait for the atomic's round trip), trigger, clear.
   const unsigned arriver = blockDim.x > 32 ? 32u : 0u;
-  if (kFused && threadIdx.x == arriver) session.arrive(uint64_t(p.tokens) * sizeof(Vec16));
+  if (kFused && threadIdx.x == arriver) session.arrive(control, uint64_t(p.tokens) * sizeof(Vec16));
   if constexpr (kFused) {
     launch_dependents();
-    session.clear_previous();
+    session.clear_previous(p.exchange);
   }
 
   // 4. Receive, normalize, rotate, store. `values` still hold the block's first token unless
   // step 2 went on to others.
   const bool first_token_held = kPass == QkPass::kNormFromSums || gridDim.x >= p.tokens;
-  const char* slot_base = session.receive_region(0);
+  const char* slot_base = session.receive_region(p.exchange, 0);
   if (!first_token_held) load_values(blockIdx.x, values);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     take_token(token);  // with kLoadAhead, the next one's load while this one is finished

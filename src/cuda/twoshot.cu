@@ -38,8 +38,10 @@ namespace {
 
 template <typename T, int kWorldSize, typename Epilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
+  using Session = GpuSession<kWorldSize>;
   constexpr int kElements = Packed<T>::kElements;
-  const int world = kWorldSize > 0 ? kWorldSize : p.exchange.world_size;
+  ControlBlock* const control = p.exchange.control;
+  const int world = Session::world(p.exchange);
   const int64_t vectors = p.hidden / kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, world);
@@ -49,18 +51,19 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const GpuSession<kWorldSize> session(
-      p.exchange, begin_call<kVecsPerThread>(p.exchange.control, p.input, vectors, input));
+  const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
   if (session.failed()) return;  // a failed team sends nothing (see oneshot.cu)
-  const int rank = session.rank();
+  const int rank = p.exchange.rank;
+  const size_t my_sender_offset = session.send_offset(p.exchange);
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     const int owner = layout.owner(token);
     if (owner == rank) continue;
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
-    Vec16* destination = reinterpret_cast<Vec16*>(
-        session.send_region(owner) + layout.scatter_row(token - layout.begin(owner), row_bytes));
+    Vec16* destination =
+        reinterpret_cast<Vec16*>(p.exchange.workspace[owner] + my_sender_offset +
+                                 layout.scatter_row(token - layout.begin(owner), row_bytes));
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
@@ -70,13 +73,13 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   }
 
   // 3.
-  if (threadIdx.x == 0) session.arrive(layout.sender_bytes(row_bytes));
+  if (threadIdx.x == 0) session.arrive(control, layout.sender_bytes(row_bytes));
   launch_dependents();
-  session.clear_previous();
+  session.clear_previous(p.exchange);
 
   Vec16 gamma[kVecsPerThread];
   if constexpr (Epilogue::kHasNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
-  const char* my_slot = session.receive_region(0);
+  const char* my_slot = session.receive_region(p.exchange, 0);
   const size_t sender_stride = p.exchange.packet_bytes;
 
   // 4. Owned rows.
@@ -92,15 +95,16 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
         sender_stride, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, false,
         world, vectors, p.exchange);
-    const size_t gather_row = layout.gather_row(local, row_bytes);
+    const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, Epilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
 #pragma unroll
           for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
             if (kWorldSize == 0 && r >= world) break;
             if (r == rank) continue;
-            store_packet(reinterpret_cast<Vec16*>(session.send_region(r) + gather_row) + owned(i),
-                         rounded);
+            store_packet(
+                reinterpret_cast<Vec16*>(p.exchange.workspace[r] + gather_offset) + owned(i),
+                rounded);
           }
         });
   }
@@ -119,8 +123,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
       if (!owns<kVecsPerThread>(i, vectors)) continue;
       Vec16 packet = load_packet(address + owned(i));
       if (!has_arrived(packet)) {
-        packet = wait_for_packet(address + owned(i), p.exchange.timeout_ns,
-                                 &p.exchange.control->error, p.exchange.error_flag, owner);
+        packet = wait_for_packet(address + owned(i), p.exchange.timeout_ns, &control->error,
+                                 p.exchange.error_flag, owner);
       }
       accumulate_first<T>(acc[i], packet);
     }

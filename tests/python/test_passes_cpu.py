@@ -158,8 +158,6 @@ class Passes(unittest.TestCase):
         self.check_close(got, expected)
 
 
-    @unittest.skipUnless(passes.supports_norm_weight(),
-                         "this build's allreduce_add_rmsnorm has no norm_weight argument yet")
     def test_zero_centered_norm_with_and_without_residual(self):
         def with_residual(x, residual, weight):
             h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
@@ -192,12 +190,11 @@ class Passes(unittest.TestCase):
             return zero_centered_rms_norm(h, weight, 1e-6), h
 
         got, expected = self.compile_and_run(zero_centered, *self.inputs())
-        # Never a plain-weight call: fused with norm_weight=1 where the op has it, else unfused.
-        sites = 1 if passes.supports_norm_weight() else 0
-        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], sites)
-        self.assertEqual(norm_weights(self.fusion), [1] * sites)
+        # Never a plain-weight call.
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 1)
+        self.assertEqual(norm_weights(self.fusion), [1])
         after = [op for g in self.fusion.graphs for op in g["after"]]
-        self.assertEqual(after.count(ALL_REDUCE), 1 - sites, after)
+        self.assertEqual(after.count(ALL_REDUCE), 0, after)
         self.check_close(got, expected)
 
     def test_each_pass_owns_its_team_counts_and_graphs(self):

@@ -3,7 +3,8 @@
 // write the control block, store the sentinel, spread work and count arrivals.
 //
 //   1. read the call state (slot, bytes to clear, failure) from this rank's control block;
-//   2. send into sender region `rank` of the call's slot of each receiver (the caller's loops);
+//   2. send into sender region `rank` of the call's slot of each receiver (the caller's loops,
+//      at send_offset() of each receiver's workspace);
 //   3. arrive: each participant, once done with the call state; the last one records what
 //      this call's slot received per sender and advances the slot index;
 //   4. clear the previous call's slot (every sender region but this rank's own);
@@ -53,34 +54,35 @@ TPF_HOST_DEVICE CallState read_call_state(const ControlBlock* control) {
   return state;
 }
 
-// One call of one rank. kWorldSize > 0 binds the world size at compile time (0: x.world_size).
+// One call of one rank: the call state it read, and the steps that use it. kWorldSize > 0 binds
+// the world size at compile time (0: the exchange's). The steps take the call's Exchange where
+// they use it rather than holding a copy or a pointer: a kernel's parameters are then read
+// where each step needs them, as if the steps were written out in the kernel.
 template <typename Coop, int kWorldSize = 0>
 class LamportSession {
  public:
-  TPF_HOST_DEVICE LamportSession(const Exchange& exchange, const CallState& state)
-      : x_(exchange), state_(state) {}
+  TPF_HOST_DEVICE explicit LamportSession(const CallState& state) : state_(state) {}
 
-  TPF_HOST_DEVICE int world() const { return kWorldSize > 0 ? kWorldSize : x_.world_size; }
-  TPF_HOST_DEVICE int rank() const { return x_.rank; }
+  TPF_HOST_DEVICE static int world(const Exchange& x) {
+    return kWorldSize > 0 ? kWorldSize : x.world_size;
+  }
   TPF_HOST_DEVICE bool failed() const { return state_.failed != 0; }
   TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
 
   // Byte offset, inside any rank's workspace, of sender `sender`'s region of this call's slot.
-  TPF_HOST_DEVICE size_t region_offset(int sender) const {
-    return packet_offset(state_.slot, sender, world(), x_.packet_bytes);
+  TPF_HOST_DEVICE size_t region_offset(const Exchange& x, int sender) const {
+    return packet_offset(state_.slot, sender, world(x), x.packet_bytes);
   }
-  // Where this rank's packet for `receiver` goes.
-  TPF_HOST_DEVICE char* send_region(int receiver) const {
-    return x_.workspace[receiver] + region_offset(x_.rank);
-  }
+  // Where this rank's packets go in any receiver's workspace: workspace[receiver] + this.
+  TPF_HOST_DEVICE size_t send_offset(const Exchange& x) const { return region_offset(x, x.rank); }
   // Where sender `sender`'s packet arrives in this rank's workspace.
-  TPF_HOST_DEVICE const char* receive_region(int sender) const {
-    return x_.workspace[x_.rank] + region_offset(sender);
+  TPF_HOST_DEVICE const char* receive_region(const Exchange& x, int sender) const {
+    return x.workspace[x.rank] + region_offset(x, sender);
   }
 
-  // Step 3, by one thread of each participant after it has read the call state.
-  TPF_HOST_DEVICE void arrive(uint64_t bytes_per_sender) const {
-    ControlBlock* const control = x_.control;
+  // Step 3, by one thread of each participant after it has read the call state (`control`:
+  // this rank's control block, Exchange::control).
+  TPF_HOST_DEVICE void arrive(ControlBlock* control, uint64_t bytes_per_sender) const {
     if (Coop::add_arrival(&control->arrivals) == Coop::participants() - 1) {
       Coop::store(&control->arrivals, 0u);
       Coop::store(&control->slot_bytes[state_.slot], bytes_per_sender);
@@ -91,22 +93,21 @@ class LamportSession {
   // Step 4: re-fills the previous call's slot with the sentinel, spread over the Coop's
   // threads. This rank's own region is left alone: nothing reads a word of it that the same
   // call did not store (lamport.h).
-  TPF_HOST_DEVICE void clear_previous() const {
+  TPF_HOST_DEVICE void clear_previous(const Exchange& x) const {
     const int64_t per_sender = int64_t(state_.clear_bytes / 16);
-    const int64_t total = per_sender * (world() - 1);
-    char* base = x_.workspace[x_.rank] +
-                 packet_offset(slot_to_clear(state_.slot), 0, world(), x_.packet_bytes);
+    const int64_t total = per_sender * (world(x) - 1);
+    char* base = x.workspace[x.rank] +
+                 packet_offset(slot_to_clear(state_.slot), 0, world(x), x.packet_bytes);
     const int64_t stride = Coop::thread_count();
     for (int64_t i = Coop::thread_index(); i < total; i += stride) {
       const int64_t region = i / per_sender;
-      const int64_t sender = region >= x_.rank ? region + 1 : region;
-      Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x_.packet_bytes) +
+      const int64_t sender = region >= x.rank ? region + 1 : region;
+      Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x.packet_bytes) +
                            (i - region * per_sender));
     }
   }
 
  private:
-  const Exchange& x_;
   CallState state_;
 };
 
