@@ -53,13 +53,12 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   Vec16 input[kVecsPerThread];
   const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
   if (session.failed()) return;  // a failed team sends nothing (see oneshot.cu)
-  const int rank = p.exchange.rank;
   const size_t my_sender_offset = session.send_offset(p.exchange);
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     const int owner = layout.owner(token);
-    if (owner == rank) continue;
+    if (owner == p.exchange.rank) continue;
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
     Vec16* destination =
         reinterpret_cast<Vec16*>(p.exchange.workspace[owner] + my_sender_offset +
@@ -80,11 +79,10 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   Vec16 gamma[kVecsPerThread];
   if constexpr (Epilogue::kHasNorm) load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
   const char* my_slot = session.receive_region(p.exchange, 0);
-  const size_t sender_stride = p.exchange.packet_bytes;
 
   // 4. Owned rows.
-  const int64_t own_begin = layout.begin(rank);
-  const int64_t own_count = layout.count(rank);
+  const int64_t own_begin = layout.begin(p.exchange.rank);
+  const int64_t own_count = layout.count(p.exchange.rank);
   for (int64_t local = blockIdx.x; local < own_count; local += gridDim.x) {
     const int64_t token = own_begin + local;
     Vec16 residual[kVecsPerThread];
@@ -93,15 +91,15 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     float acc[kVecsPerThread][kElements];
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
-        sender_stride, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, false,
-        world, vectors, p.exchange);
+        p.exchange.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input,
+        false, world, vectors, p.exchange);
     const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, Epilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
 #pragma unroll
           for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
             if (kWorldSize == 0 && r >= world) break;
-            if (r == rank) continue;
+            if (r == p.exchange.rank) continue;
             store_packet(
                 reinterpret_cast<Vec16*>(p.exchange.workspace[r] + gather_offset) + owned(i),
                 rounded);
@@ -115,7 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     const int64_t token = index < own_begin ? index : index + own_count;
     const int owner = layout.owner(token);
     const Vec16* address =
-        reinterpret_cast<const Vec16*>(my_slot + size_t(owner) * sender_stride +
+        reinterpret_cast<const Vec16*>(my_slot + size_t(owner) * p.exchange.packet_bytes +
                                        layout.gather_row(token - layout.begin(owner), row_bytes));
     float acc[kVecsPerThread][kElements];
 #pragma unroll
