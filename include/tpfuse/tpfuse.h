@@ -232,9 +232,10 @@ struct AddRmsNormArgs {
 // NormWeight), with the norm computed
 // from residual_out as stored (rounded to dtype), so norm_out equals what an unfused RMSNorm of
 // residual_out gives within its own rounding. Outputs may alias input or residual exactly (in
-// place); partial overlaps are rejected. For the CUDA backend pointers are device pointers of
-// this rank's device and the work is queued on `stream`; for the CPU backend they are host
-// pointers, the call blocks, and `stream` must be null. Returns the algorithm that ran.
+// place); partial overlaps are rejected, and so is any overlap with gamma. For the CUDA backend
+// pointers are device pointers of this rank's device and the work is queued on `stream`; for the
+// CPU backend they are host pointers, the call blocks, and `stream` must be null. Returns the
+// algorithm that ran.
 //
 // One-shot and two-shot store a residual_out (or all-reduce out) word whose bits are the
 // protocol's sentinel 0x80000000 (-0.0f in fp32; +0 then -0 in a pair of 16-bit elements) as +0,

@@ -236,6 +236,9 @@ Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cu
 
 Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
                     cudaStream_t stream, Algorithm algorithm) {
+  // Any positive multiple of kHiddenMultiple is carried (as rows, below).
+  TPF_CHECK_ARG(count > 0 && count % kHiddenMultiple == 0, "allreduce",
+                "count must be a positive multiple of " << kHiddenMultiple << ", got " << count);
   AddRmsNormArgs args;
   args.input = input;
   args.norm_out = out;

@@ -2,6 +2,7 @@
 // was expected, before any work is queued.
 #include "core/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -65,6 +66,13 @@ bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
   return x == y || x + bytes <= y || y + bytes <= x;
 }
 
+// Two ranges share no byte (empty ranges overlap nothing).
+bool disjoint(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes == 0 || b_bytes == 0 || x + a_bytes <= y || y + b_bytes <= x;
+}
+
 }  // namespace
 
 void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
@@ -111,6 +119,12 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
                     out_name << " partially overlaps " << in_name
                              << ": an output must be the same tensor as an input or disjoint");
     }
+  }
+  // The weight is read by every row: an output over it (even exactly) would change it mid-call.
+  const size_t gamma_bytes = size_t(args.hidden) * dtype_size(args.dtype);
+  for (const auto& [out_name, out] : outputs) {
+    TPF_CHECK_ARG(out == nullptr || !epilogue.norm || disjoint(out, bytes, args.gamma, gamma_bytes),
+                  op, out_name << " overlaps gamma (the norm's weight): outputs may not touch it");
   }
   if (args.residual_out != nullptr) {
     TPF_CHECK_ARG(args.residual_out == args.norm_out ||
@@ -193,11 +207,6 @@ void validate_qk_args(const QkNormArgs& a, const char* op) {
   }
   const size_t element = dtype_size(a.dtype);
   const size_t qkv_bytes = size_t(a.tokens) * size_t(a.q_size + 2 * a.kv_size) * element;
-  const auto disjoint = [](const void* x, size_t x_bytes, const void* y, size_t y_bytes) {
-    const auto p = reinterpret_cast<uintptr_t>(x);
-    const auto q = reinterpret_cast<uintptr_t>(y);
-    return p + x_bytes <= q || q + y_bytes <= p;
-  };
   const size_t q_bytes = size_t(a.tokens) * size_t(a.q_size) * element;
   const size_t k_bytes = size_t(a.tokens) * size_t(a.kv_size) * element;
   TPF_CHECK_ARG(a.q_out == nullptr || disjoint(a.q_out, q_bytes, a.qkv, qkv_bytes), op,
@@ -207,6 +216,27 @@ void validate_qk_args(const QkNormArgs& a, const char* op) {
   TPF_CHECK_ARG(
       a.q_out == nullptr || a.k_out == nullptr || disjoint(a.q_out, q_bytes, a.k_out, k_bytes), op,
       "q_out overlaps k_out");
+  // What the call writes (q_out / k_out, or qkv in place) may not touch what it only reads.
+  const std::pair<const char*, std::pair<const void*, size_t>> written[] = {
+      {a.q_out != nullptr ? "q_out" : "qkv (in place)",
+       {a.q_out != nullptr ? a.q_out : a.qkv, a.q_out != nullptr ? q_bytes : qkv_bytes}},
+      {a.k_out != nullptr ? "k_out" : "qkv (in place)",
+       {a.k_out != nullptr ? a.k_out : a.qkv, a.k_out != nullptr ? k_bytes : qkv_bytes}}};
+  const bool rope = a.rope != RopeStyle::kNone;
+  const std::pair<const char*, std::pair<const void*, size_t>> read_only[] = {
+      {"q_gamma", {a.q_gamma, size_t(a.q_size) * element}},
+      {"k_gamma", {a.k_gamma, size_t(a.kv_size) * element}},
+      {"positions", {rope ? a.positions : nullptr, size_t(a.tokens) * sizeof(int64_t)}},
+      {"cos_sin_cache",
+       {rope ? a.cos_sin_cache : nullptr, size_t(std::max<int64_t>(a.max_position, 0)) *
+                                              size_t(std::max<int64_t>(a.rotary_dim, 0)) *
+                                              sizeof(float)}}};
+  for (const auto& [out_name, out] : written) {
+    for (const auto& [in_name, in] : read_only) {
+      TPF_CHECK_ARG(in.first == nullptr || disjoint(out.first, out.second, in.first, in.second), op,
+                    out_name << " overlaps " << in_name << ": outputs may not touch it");
+    }
+  }
   TPF_CHECK_ARG(is_known(a.rope), op, "rope " << int(a.rope) << " is not a RopeStyle");
   if (a.rope != RopeStyle::kNone) {
     TPF_CHECK_ARG(a.head_dim > 0 && a.q_size % a.head_dim == 0 && a.kv_size % a.head_dim == 0, op,

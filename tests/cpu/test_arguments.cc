@@ -81,6 +81,17 @@ TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
                   "residual_out partially overlaps residual");
   expect_rejected([this](auto& a) { a.residual_out = buffers_.norm_out; },
                   "residual_out and norm_out are the same");
+  // An output on the weight, exactly or partly: the weight would change mid-call.
+  expect_rejected([this](auto& a) { a.norm_out = buffers_.gamma; }, "norm_out overlaps gamma");
+  expect_rejected([this](auto& a) { a.residual_out = buffers_.gamma + 8; },
+                  "residual_out overlaps gamma");
+  expect_rejected(
+      [this](auto& a) {
+        a.residual = nullptr;
+        a.residual_out = nullptr;
+        a.norm_out = buffers_.gamma + 56;
+      },
+      "norm_out overlaps gamma");
   expect_rejected(
       [](auto& a) {
         a.tokens = 3;
@@ -114,7 +125,14 @@ TEST_F(Arguments, EmptyTeamHandleAndStreamOnCpu) {
 TEST_F(Arguments, AllreduceRejectsBadCounts) {
   expect_error_naming(
       [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 12, DType::kBFloat16); },
-      "count must be a positive multiple of 8");
+      "count must be a positive multiple of 8, got 12");
+  // Larger counts are carried as rows: the message promises no upper bound, and none applies.
+  expect_error_naming(
+      [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 20004, DType::kBFloat16); },
+      "count must be a positive multiple of 8, got 20004");
+  expect_error_naming(
+      [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 0, DType::kBFloat16); },
+      "count must be a positive multiple of 8, got 0");
   expect_error_naming(
       [&] { allreduce(team_[0], nullptr, buffers_.norm_out, 16, DType::kBFloat16); },
       "input is null");

@@ -178,6 +178,15 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
       },
       "q_out overlaps k_out");
   rejected([](auto& a) { a.qkv = qkv + 1; }, "qkv must be 16-byte aligned");
+  // Outputs (or qkv, in place) over a weight or a RoPE input.
+  rejected([](auto& a) { a.q_out = q_gamma; }, "q_out overlaps q_gamma");
+  rejected(
+      [](auto& a) {
+        a.q_out = out;
+        a.k_out = k_gamma + 64;
+      },
+      "k_out overlaps k_gamma");
+  rejected([](auto& a) { a.q_gamma = qkv + 512; }, "qkv (in place) overlaps q_gamma");
   rejected([](auto& a) { a.rope = RopeStyle(5); }, "rope 5 is not a RopeStyle");
   const auto with_rope = [&](QkNormArgs& a) {
     a.rope = RopeStyle::kNeox;
@@ -217,6 +226,20 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
         a.cos_sin_cache = nullptr;
       },
       "cos_sin_cache is null");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.q_out = out;
+        a.k_out = out + 2048;
+        a.cos_sin_cache = reinterpret_cast<const float*>(out + 16);
+      },
+      "q_out overlaps cos_sin_cache");
+  rejected(
+      [&](auto& a) {
+        with_rope(a);
+        a.positions = reinterpret_cast<const int64_t*>(qkv + 8);
+      },
+      "qkv (in place) overlaps positions");
   rejected(
       [&](auto& a) {
         with_rope(a);
