@@ -9,8 +9,9 @@
 //      this call's slot received per sender and advances the slot index;
 //   4. clear the previous call's slot (every sender region but this rank's own);
 //   5. receive from this rank's slot (the caller's polls).
-// On the GPU a participant is a block and steps 3-4 follow launch_dependents; on the CPU the one
-// rank thread is the only participant.
+// On the GPU a participant is a block: each arrives right after its send, then the grid triggers
+// its dependents (launch_dependents) and clears. On the CPU the rank's one thread is the only
+// participant and arrives last, after its receive: the next call reads the state only then.
 #pragma once
 
 #include <cstddef>
