@@ -1,5 +1,7 @@
 """The torch.compile passes on the CPU backend: a one-process gloo group and a one-rank CPU team,
-so compiled graphs hold real all-reduces for the passes to find. Each test compiles a small model
+so compiled graphs hold real all-reduces for the passes to find (and, where a GPU is there, the
+same suite on CUDA: the group's NCCL side and a one-rank CUDA team, so the patterns are checked
+against the graphs Inductor makes for CUDA tensors too). Each test compiles a small model
 and checks how many sites were rewritten, which ops the graph held before and after, and that the
 outputs equal the unfused model's (the all-reduce of one rank is exact; the fused op rounds once
 where the unfused graph rounds twice, so norms may differ in the last bit)."""
@@ -46,16 +48,25 @@ def norm_weights(fusion):
             if call["op"] == FUSED]
 
 
+def init_world_of_one():
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
 class Passes(unittest.TestCase):
+    device = "cpu"
+
+    @classmethod
+    def make_team(cls, **options):
+        (team,) = tpfuse.cpu_team(1, **options)
+        return team
+
     @classmethod
     def setUpClass(cls):
-        if not dist.is_initialized():
-            cls.store_dir = tempfile.mkdtemp()
-            dist.init_process_group(
-                "gloo", store=dist.FileStore(os.path.join(cls.store_dir, "store"), 1), rank=0,
-                world_size=1,
-            )
-        (cls.team,) = tpfuse.cpu_team(1)
+        init_world_of_one()
+        cls.team = cls.make_team()
         cls.fusion = passes.install(cls.team)
         # Every compile runs the passes (a cache hit would skip them, and the counts with them).
         torch._inductor.config.force_disable_caches = True
@@ -65,7 +76,11 @@ class Passes(unittest.TestCase):
         passes.uninstall()
         cls.team.close()
 
+    def on_device(self, args):
+        return [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]
+
     def compile_and_run(self, model, *args):
+        args = self.on_device(args)
         torch._dynamo.reset()
         self.fusion.stats["allreduce_add_rmsnorm"] = 0
         self.fusion.graphs.clear()
@@ -198,7 +213,7 @@ class Passes(unittest.TestCase):
         self.check_close(got, expected)
 
     def test_each_pass_owns_its_team_counts_and_graphs(self):
-        (other_team,) = tpfuse.cpu_team(1)
+        other_team = self.make_team()
         try:
             other = passes.make_pass(other_team)
             self.assertIs(torch._inductor.config.post_grad_custom_post_pass, self.fusion)
@@ -223,6 +238,7 @@ class Passes(unittest.TestCase):
             other_team.close()
 
     def check_qk(self, model, qkv, q_weight, k_weight, sites=1):
+        qkv, q_weight, k_weight = self.on_device([qkv, q_weight, k_weight])
         torch._dynamo.reset()
         self.fusion.stats["allreduce_qk_rmsnorm"] = 0
         self.fusion.graphs.clear()
@@ -240,7 +256,7 @@ class Passes(unittest.TestCase):
             return hand_written_rms_norm(residual, weight, 1e-6), residual
 
         # A team whose packets carry 64 KiB: 512 rows of 64 bf16 one-shot, fewer two-shot.
-        (small,) = tpfuse.cpu_team(1, packet_bytes=64 << 10)
+        small = self.make_team(packet_bytes=64 << 10)
         self.fusion = passes.install(small)
         try:
             self.assertEqual(small.choose(600, 64, torch.bfloat16), "nccl")
@@ -287,6 +303,7 @@ class Passes(unittest.TestCase):
         )
 
     def check_qk_rope(self, model, args, rope_sites):
+        args = self.on_device(args)
         torch._dynamo.reset()
         self.fusion.stats["allreduce_qk_rmsnorm"] = 0
         self.fusion.stats["allreduce_qk_rmsnorm_rope"] = 0
@@ -349,6 +366,19 @@ def qk_norm(q, k, q_weight, k_weight, eps, world=1):
     q = q * torch.rsqrt(q_var + eps) * q_weight
     k = k * torch.rsqrt(k_var + eps) * k_weight
     return q.to(dtype), k.to(dtype)
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
+class PassesOnCuda(Passes):
+    """Every test above on CUDA tensors: a one-rank CUDA team over the group's NCCL side."""
+
+    device = "cuda"
+
+    @classmethod
+    def make_team(cls, **options):
+        (team,) = tpfuse.cuda_team([torch.cuda.current_device()], **options)
+        return team
+
 
 
 if __name__ == "__main__":
