@@ -69,7 +69,7 @@ int visible_devices() {
 }  // namespace
 
 std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
-                                              const TeamOptions& options) {
+                                              const TeamOptions& options, bool shared_devices) {
   const char* op = "create_cuda_team";
   const int world_size = int(devices.size());
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
@@ -81,17 +81,18 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
     TPF_CHECK_ARG(devices[i] >= 0 && devices[i] < count, op,
                   "devices[" << i << "] = " << devices[i] << " but this process sees " << count
                              << " CUDA device(s)");
-    TPF_CHECK_ARG(seen.insert(devices[i]).second, op,
+    TPF_CHECK_ARG(seen.insert(devices[i]).second || shared_devices, op,
                   "devices[" << i << "] = " << devices[i] << " appears twice");
   }
+  const bool devices_repeat = int(seen.size()) < world_size;
   int previous = 0;
   TPF_CHECK_CUDA(cudaGetDevice(&previous));
   auto memory = std::make_shared<CudaTeamMemory>();
   // NCCL communicators for the NCCL path (in-process: one per device, ncclCommInitAll).
   // A team without them still runs its fused kernels: NCCL failing here costs only the NCCL path
   // (calls that need it then say why).
-  std::string nccl_error;
-  if (nccl_support() != nullptr) {
+  std::string nccl_error = devices_repeat ? "ranks share a device" : "";
+  if (nccl_support() != nullptr && !devices_repeat) {
     try {
       memory->comms = nccl_support()->in_process_comms(devices);
     } catch (const Error& error) {
@@ -103,7 +104,7 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
   if (!options.peer_stores) fallback_reason = "TeamOptions::peer_stores is false";
   for (int i = 0; i < world_size && fallback_reason.empty(); ++i) {
     for (int j = 0; j < world_size && fallback_reason.empty(); ++j) {
-      if (i == j) continue;
+      if (devices[i] == devices[j]) continue;
       int can_access = 0;
       TPF_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, devices[i], devices[j]));
       if (!can_access) {
@@ -122,7 +123,7 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
     for (int i = 0; i < world_size; ++i) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[i]));
       for (int j = 0; j < world_size; ++j) {
-        if (i != j) enable_peer_access(devices[i], devices[j]);
+        if (devices[i] != devices[j]) enable_peer_access(devices[i], devices[j]);
       }
     }
   }
@@ -165,16 +166,20 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
   }
   if (peer_stores && world_size > 1) {
     // Every rank's handshake kernel is queued before any is waited for: they poll each other.
+    // A stream per rank: ranks that share a device must not queue behind each other.
+    std::vector<cudaStream_t> streams(world_size);
     for (int r = 0; r < world_size; ++r) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
+      TPF_CHECK_CUDA(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
       launch_handshake(workspace, r, world_size, workspace_bytes(world_size, options.packet_bytes),
                        uint64_t(options.handshake_timeout_seconds * 1e9), arrived + r * world_size,
-                       nullptr);
+                       streams[r]);
     }
     std::vector<uint32_t> masks(world_size);
     for (int r = 0; r < world_size; ++r) {
       TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
-      TPF_CHECK_CUDA(cudaDeviceSynchronize());
+      TPF_CHECK_CUDA(cudaStreamSynchronize(streams[r]));
+      TPF_CHECK_CUDA(cudaStreamDestroy(streams[r]));
       masks[r] = arrived_mask(arrived + r * world_size, world_size);
     }
     fallback_reason =

@@ -8,8 +8,12 @@
 
 namespace tpfuse::impl {
 
+// shared_devices (tests only): ranks may share a device, so that multi-rank kernels run on a
+// machine with one GPU. All ranks' grids must then fit on the device at once (few tokens), and
+// such a team has no NCCL path.
 std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
-                                              const TeamOptions& options);
+                                              const TeamOptions& options,
+                                              bool shared_devices = false);
 // Over a communicator the caller owns (owns_comm false) or the team owns (destroyed with it).
 Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& options);
 Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,

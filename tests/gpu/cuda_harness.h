@@ -1,5 +1,5 @@
-// The CUDA test harness: an in-process team over GPUs 0..W-1, a stream per rank, device
-// buffers; every rank's work queued from one host thread.
+// The CUDA test harness: an in-process team over GPUs 0..W-1 (or a given team and its ranks'
+// devices), a stream per rank, device buffers; every rank's work queued from its own host thread.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,12 +23,14 @@ inline void check_cuda(cudaError_t status, const char* what) {
 
 class CudaHarness : public Harness {
  public:
-  explicit CudaHarness(int world_size, const TeamOptions& options = {}) {
-    std::vector<int> devices(world_size);
-    for (int r = 0; r < world_size; ++r) devices[r] = r;
-    team_ = create_cuda_team(devices, options);
-    for (int r = 0; r < world_size; ++r) {
-      check_cuda(cudaSetDevice(r), "cudaSetDevice");
+  explicit CudaHarness(int world_size, const TeamOptions& options = {})
+      : CudaHarness(create_cuda_team(first_devices(world_size), options),
+                    first_devices(world_size)) {}
+  // A team made elsewhere; devices[r] is rank r's device.
+  CudaHarness(std::vector<Team> team, std::vector<int> devices)
+      : team_(std::move(team)), devices_(std::move(devices)) {
+    for (int r = 0; r < world_size(); ++r) {
+      check_cuda(cudaSetDevice(devices_[r]), "cudaSetDevice");
       cudaStream_t stream;
       check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
       streams_.push_back(stream);
@@ -36,7 +38,7 @@ class CudaHarness : public Harness {
   }
   ~CudaHarness() override {
     for (size_t r = 0; r < streams_.size(); ++r) {
-      cudaSetDevice(int(r));
+      cudaSetDevice(devices_[r]);
       cudaStreamSynchronize(streams_[r]);
       cudaStreamDestroy(streams_[r]);
     }
@@ -48,20 +50,20 @@ class CudaHarness : public Harness {
   std::vector<Team>& team() override { return team_; }
   cudaStream_t stream(int rank) { return streams_[rank]; }
   void* allocate(int rank, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    check_cuda(cudaSetDevice(devices_[rank]), "cudaSetDevice");
     void* pointer = nullptr;
     check_cuda(cudaMalloc(&pointer, bytes), "cudaMalloc");
-    blocks_.emplace_back(rank, pointer);
+    blocks_.emplace_back(devices_[rank], pointer);
     return pointer;
   }
   void upload(int rank, void* destination, const void* source, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    check_cuda(cudaSetDevice(devices_[rank]), "cudaSetDevice");
     check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyHostToDevice, streams_[rank]),
                "upload");
     check_cuda(cudaStreamSynchronize(streams_[rank]), "upload sync");
   }
   void download(int rank, void* destination, const void* source, size_t bytes) override {
-    check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    check_cuda(cudaSetDevice(devices_[rank]), "cudaSetDevice");
     check_cuda(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDeviceToHost, streams_[rank]),
                "download");
     check_cuda(cudaStreamSynchronize(streams_[rank]), "download sync");
@@ -80,7 +82,7 @@ class CudaHarness : public Harness {
     for (int r = 0; r < world_size(); ++r) {
       threads.emplace_back([&, r] {
         try {
-          check_cuda(cudaSetDevice(r), "cudaSetDevice");
+          check_cuda(cudaSetDevice(devices_[r]), "cudaSetDevice");
           call(r, streams_[r]);
         } catch (...) {
           std::lock_guard<std::mutex> lock(mutex);
@@ -93,14 +95,21 @@ class CudaHarness : public Harness {
   }
   void synchronize() override {
     for (int r = 0; r < world_size(); ++r) {
-      check_cuda(cudaSetDevice(r), "cudaSetDevice");
+      check_cuda(cudaSetDevice(devices_[r]), "cudaSetDevice");
       check_cuda(cudaStreamSynchronize(streams_[r]), "cudaStreamSynchronize");
       team_[r].check();
     }
   }
 
  private:
+  static std::vector<int> first_devices(int world_size) {
+    std::vector<int> devices(world_size);
+    for (int r = 0; r < world_size; ++r) devices[r] = r;
+    return devices;
+  }
+
   std::vector<Team> team_;
+  std::vector<int> devices_;
   std::vector<cudaStream_t> streams_;
   std::vector<std::pair<int, void*>> blocks_;
 };
