@@ -65,6 +65,11 @@ def allreduce_add_rmsnorm_(
 ) -> None:
     """In place, as engines' fused add + RMSNorm: residual <- all-reduce(input) + residual,
     input <- rmsnorm(residual) * weight (or * (1 + weight), norm_weight)."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(
+            "tpfuse.allreduce_add_rmsnorm_: residual must be a tensor (the in-place op writes the "
+            "sum into it); without a residual use allreduce_add_rmsnorm"
+        )
     torch.ops.tpfuse.allreduce_add_rmsnorm_(
         _handle(team), input, residual, weight, eps, _algorithm(algorithm), int(norm_weight)
     )

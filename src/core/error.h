@@ -1,6 +1,7 @@
 // Error macros: each throws tpfuse::Error with the file, line and what was expected.
 #pragma once
 
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -8,9 +9,21 @@
 
 namespace tpfuse::impl {
 
+// The source file as a path inside the repository (src/..., include/...): a message names no
+// directory of the machine the library was built on.
+inline const char* repository_path(const char* file) {
+  const char* best = nullptr;
+  for (const char* top : {"/src/", "/include/", "/bench/", "/tests/"}) {
+    for (const char* at = std::strstr(file, top); at != nullptr; at = std::strstr(at + 1, top)) {
+      if (best == nullptr || at > best) best = at;
+    }
+  }
+  return best != nullptr ? best + 1 : file;
+}
+
 [[noreturn]] inline void throw_error(const char* file, int line, const std::string& message) {
   std::ostringstream out;
-  out << message << " (" << file << ":" << line << ")";
+  out << message << " (" << repository_path(file) << ":" << line << ")";
   throw Error(out.str());
 }
 

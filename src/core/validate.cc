@@ -85,8 +85,11 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
                 (epilogue.norm ? "hidden" : "count")
                     << " must be a positive multiple of " << kHiddenMultiple << " and at most "
                     << kMaxHidden << ", got " << args.hidden);
-  TPF_CHECK_ARG(args.input != nullptr, op, "input is null");
-  TPF_CHECK_ARG(args.norm_out != nullptr, op, (epilogue.norm ? "norm_out" : "out") << " is null");
+  // With no rows the row tensors may be empty (null: torch's data_ptr of an empty tensor).
+  const bool rows = args.tokens > 0;
+  TPF_CHECK_ARG(args.input != nullptr || !rows, op, "input is null");
+  TPF_CHECK_ARG(args.norm_out != nullptr || !rows, op,
+                (epilogue.norm ? "norm_out" : "out") << " is null");
   if (epilogue.norm) {
     TPF_CHECK_ARG(args.gamma != nullptr, op, "gamma is null");
     TPF_CHECK_ARG(std::isfinite(args.eps) && args.eps >= 0.0f, op,
@@ -95,7 +98,7 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
   TPF_CHECK_ARG(is_known(args.norm_weight), op,
                 "norm_weight " << int(args.norm_weight) << " is not a NormWeight");
   if (epilogue.residual) {
-    TPF_CHECK_ARG(args.residual_out != nullptr, op,
+    TPF_CHECK_ARG(args.residual_out != nullptr || !rows, op,
                   "residual_out is null but a residual was given (it receives sum + residual)");
   }
   const std::pair<const char*, const void*> pointers[] = {{"input", args.input},
@@ -193,7 +196,7 @@ void validate_qk_args(const QkNormArgs& a, const char* op) {
                 "k_global_size must be >= kv_size (" << a.kv_size << "), got " << a.k_global_size);
   TPF_CHECK_ARG(std::isfinite(a.eps) && a.eps >= 0.0f, op,
                 "eps must be finite and >= 0, got " << a.eps);
-  TPF_CHECK_ARG(a.qkv != nullptr, op, "qkv is null");
+  TPF_CHECK_ARG(a.qkv != nullptr || a.tokens == 0, op, "qkv is null");
   TPF_CHECK_ARG(a.q_gamma != nullptr, op, "q_gamma is null");
   TPF_CHECK_ARG(a.k_gamma != nullptr, op, "k_gamma is null");
   const std::pair<const char*, const void*> pointers[] = {{"qkv", a.qkv},

@@ -9,10 +9,12 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #if TPFUSE_TORCH_CUDA
@@ -187,6 +189,10 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
                             const at::Tensor& gamma, double eps, int64_t algorithm,
                             int64_t norm_weight) {
+  TORCH_CHECK(!input.is_same(residual),
+              "tpfuse::allreduce_add_rmsnorm_: input and residual are "
+              "the same tensor; the in-place op writes the norm into input and the sum into "
+              "residual, so they must be two tensors");
   run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, norm_weight, input,
                   residual, "allreduce_add_rmsnorm_");
 }
@@ -220,6 +226,12 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
   check_like(qkv, qkv, op, "qkv");
   check_like(q_gamma, qkv, op, "q_gamma");
   check_like(k_gamma, qkv, op, "k_gamma");
+  TORCH_CHECK(q_gamma.dim() == 1 && q_gamma.size(0) == q_size, "tpfuse::", op,
+              ": q_gamma must be [q_size = ", q_size, "] (this rank's slice), got ",
+              q_gamma.sizes());
+  TORCH_CHECK(k_gamma.dim() == 1 && k_gamma.size(0) == kv_size, "tpfuse::", op,
+              ": k_gamma must be [kv_size = ", kv_size, "] (this rank's slice), got ",
+              k_gamma.sizes());
   TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
               ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
   at::Tensor q = at::empty({qkv.size(0), q_size}, qkv.options());
@@ -246,8 +258,15 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
     TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
                     positions->numel() == qkv.size(0),
                 "tpfuse::", op, ": positions must be contiguous int64 [tokens]");
-    TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat && cos_sin_cache->dim() == 2 &&
-                    cos_sin_cache->size(1) == rotary_dim && cos_sin_cache->is_contiguous(),
+    TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat, "tpfuse::", op,
+                ": cos_sin_cache must be float32 (cos and sin in fp32), got ",
+                cos_sin_cache->scalar_type());
+    TORCH_CHECK(cos_sin_cache->device() == qkv.device(), "tpfuse::", op,
+                ": cos_sin_cache must be on ", qkv.device(), ", got ", cos_sin_cache->device());
+    TORCH_CHECK(positions->device() == qkv.device(), "tpfuse::", op, ": positions must be on ",
+                qkv.device(), ", got ", positions->device());
+    TORCH_CHECK(cos_sin_cache->dim() == 2 && cos_sin_cache->size(1) == rotary_dim &&
+                    cos_sin_cache->is_contiguous(),
                 "tpfuse::", op, ": cos_sin_cache must be contiguous float32 [max_position, ",
                 rotary_dim, "], got ", cos_sin_cache->sizes());
     args.head_dim = head_dim;
@@ -263,24 +282,50 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
 
 // --- the same ops on Meta tensors: shapes only ---
 
-std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(int64_t, const at::Tensor& input,
-                                                              const std::optional<at::Tensor>&,
-                                                              const at::Tensor&, double, int64_t,
-                                                              int64_t) {
+// A call lands here when any of its tensors is a meta tensor: all of them must be, or real
+// tensors would get no work done and garbage back.
+void check_meta(const char* op,
+                std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  for (const auto& [name, tensor] : tensors) {
+    TORCH_CHECK(tensor == nullptr || tensor->is_meta(), "tpfuse::", op, ": ", name, " is on ",
+                tensor->device(),
+                " but another argument is a meta tensor: all must be on one "
+                "device");
+  }
+}
+
+const at::Tensor* optional_of(const std::optional<at::Tensor>& tensor) {
+  return tensor ? &*tensor : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(
+    int64_t, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    const at::Tensor& gamma, double, int64_t, int64_t) {
+  check_meta("allreduce_add_rmsnorm",
+             {{"input", &input}, {"residual", optional_of(residual)}, {"gamma", &gamma}});
   return {at::empty_like(input), at::empty_like(input)};
 }
 
-void allreduce_add_rmsnorm__meta(int64_t, at::Tensor&, at::Tensor&, const at::Tensor&, double,
-                                 int64_t, int64_t) {}
+void allreduce_add_rmsnorm__meta(int64_t, at::Tensor& input, at::Tensor& residual,
+                                 const at::Tensor& gamma, double, int64_t, int64_t) {
+  check_meta("allreduce_add_rmsnorm_",
+             {{"input", &input}, {"residual", &residual}, {"gamma", &gamma}});
+}
 
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
   return at::empty_like(input);
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm_meta(
-    int64_t, const at::Tensor& qkv, const at::Tensor&, const at::Tensor&, int64_t q_size,
-    int64_t kv_size, int64_t, int64_t, int64_t, double, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, int64_t, int64_t, int64_t, int64_t) {
+    int64_t, const at::Tensor& qkv, const at::Tensor& q_gamma, const at::Tensor& k_gamma,
+    int64_t q_size, int64_t kv_size, int64_t, int64_t, int64_t, double,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& cos_sin_cache,
+    int64_t, int64_t, int64_t, int64_t) {
+  check_meta("allreduce_qk_rmsnorm", {{"qkv", &qkv},
+                                      {"q_gamma", &q_gamma},
+                                      {"k_gamma", &k_gamma},
+                                      {"positions", optional_of(positions)},
+                                      {"cos_sin_cache", optional_of(cos_sin_cache)}});
   return {at::empty({qkv.size(0), q_size}, qkv.options()),
           at::empty({qkv.size(0), kv_size}, qkv.options())};
 }

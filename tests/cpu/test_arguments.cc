@@ -112,6 +112,25 @@ TEST_F(Arguments, InPlaceIsAcceptedAndEmptyBatchIsANoOp) {
   AddRmsNormArgs args = args_;
   args.tokens = 0;  // every rank skips alike; no slot is used, so one rank alone returns
   EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[0], args));
+  // An empty batch's row tensors may be null (what an empty torch tensor's data pointer is).
+  args.input = nullptr;
+  args.residual = nullptr;
+  args.residual_out = nullptr;
+  args.norm_out = nullptr;
+  EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[0], args));
+}
+
+TEST_F(Arguments, MessagesNameRepositoryPathsNotTheBuildMachines) {
+  AddRmsNormArgs args = args_;
+  args.input = nullptr;
+  try {
+    allreduce_add_rmsnorm(team_[0], args);
+    FAIL() << "accepted a null input";
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("(src/core/validate.cc:"), std::string::npos) << message;
+    EXPECT_EQ(message.find("(/"), std::string::npos) << message;
+  }
 }
 
 TEST_F(Arguments, EmptyTeamHandleAndStreamOnCpu) {

@@ -177,6 +177,22 @@ class AddRmsNorm(unittest.TestCase):
         for call, name in cases:
             with self.assertRaisesRegex(RuntimeError, name):
                 call()
+        # Each of these was accepted, or named the wrong thing.
+        same = x.clone()
+        with self.assertRaisesRegex(RuntimeError, "input and residual are the same tensor"):
+            tpfuse.allreduce_add_rmsnorm_(team, same, same, weight, 1e-6)
+        with self.assertRaisesRegex(TypeError, "residual must be a tensor"):
+            tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6)
+        with self.assertRaisesRegex(RuntimeError, "gamma is on cpu but another argument is a meta"):
+            tpfuse.allreduce_add_rmsnorm(team, x.to("meta"), None, weight, 1e-6)
+        with self.assertRaisesRegex(RuntimeError, "input is on cpu but another argument is a meta"):
+            tpfuse.allreduce_add_rmsnorm(team, x, None, weight.to("meta"), 1e-6)
+        empty = torch.empty(0, 64, dtype=torch.bfloat16)
+        norm, residual_out = tpfuse.allreduce_add_rmsnorm(team, empty, empty, weight, 1e-6)
+        self.assertEqual(tuple(norm.shape), (0, 64))
+        with self.assertRaises(RuntimeError) as raised:
+            tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6)
+        self.assertNotRegex(str(raised.exception), r"\(/", "no absolute build path in messages")
         handle = team.handle
         team.close()
         with self.assertRaisesRegex(RuntimeError, "not a live team"):
@@ -215,6 +231,40 @@ class QkRmsNorm(unittest.TestCase):
                 torch.testing.assert_close(k.double(), k_ref, atol=3e-2, rtol=3e-2)
         for team in teams:
             team.close()
+
+
+class QkArguments(unittest.TestCase):
+    def test_bad_arguments_are_named(self):
+        (team,) = tpfuse.cpu_team(1)
+        q_size, kv_size = 128, 64
+        qkv = torch.randn(3, q_size + 2 * kv_size).to(torch.bfloat16)
+        q_weight = torch.ones(q_size, dtype=torch.bfloat16)
+        k_weight = torch.ones(kv_size, dtype=torch.bfloat16)
+        positions = torch.zeros(3, dtype=torch.long)
+        cache = torch.zeros(8, 32)
+
+        def call(**changes):
+            args = dict(q_weight=q_weight, k_weight=k_weight, positions=positions,
+                        cos_sin_cache=cache)
+            args.update(changes)
+            return tpfuse.allreduce_qk_rmsnorm(
+                team, qkv, args["q_weight"], args["k_weight"], q_size, kv_size, q_size, kv_size,
+                1e-6, positions=args["positions"], cos_sin_cache=args["cos_sin_cache"],
+                head_dim=64, rotary_dim=32, rope_style=tpfuse.RopeStyle.NEOX,
+            )
+
+        call()  # the good call runs
+        cases = [
+            (dict(q_weight=q_weight[:64]), r"q_gamma must be \[q_size = 128\]"),
+            (dict(k_weight=torch.ones(2 * kv_size, dtype=torch.bfloat16)),
+             r"k_gamma must be \[kv_size = 64\]"),
+            (dict(cos_sin_cache=cache.to(torch.bfloat16)), "cos_sin_cache must be float32"),
+            (dict(q_weight=q_weight.to("meta")), "qkv is on cpu but another argument is a meta"),
+        ]
+        for changes, message in cases:
+            with self.assertRaisesRegex(RuntimeError, message):
+                call(**changes)
+        team.close()
 
 
 class QkRope(unittest.TestCase):
