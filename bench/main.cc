@@ -110,8 +110,7 @@ Options parse_options(int argc, char** argv) {
     }
     static const char* const kFlags[] = {
         "--hidden",     "--tokens",  "--dtype", "--world",     "--ops-per-graph", "--replays",
-        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout",
-        "--out-dir"};
+        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout",  "--out-dir"};
     if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
       usage_error("unknown option '" + flag + "'");
     }
@@ -247,7 +246,8 @@ std::string create_out_file(const Options& options, const RunInfo& info, int wor
   std::filesystem::path wanted = options.out_path;
   if (wanted.empty()) {
     const std::string device = info.backend == "cpu" ? "cpu" : slug(info.gpu);
-    const std::filesystem::path dir = options.out_dir.empty() ? kDefaultResultsDir : options.out_dir;
+    const std::filesystem::path dir =
+        options.out_dir.empty() ? kDefaultResultsDir : options.out_dir;
     wanted = dir / (results_stem(device, world_size, start, info.commit) + ".json");
   }
   return create_unique_file(wanted).string();

@@ -26,8 +26,7 @@ std::filesystem::path create_unique_file(const std::filesystem::path& wanted) {
   const std::string extension = wanted.extension().string();
   for (int suffix = 0; suffix < 10000; ++suffix) {
     const std::filesystem::path candidate =
-        suffix == 0 ? wanted
-                    : parent / (stem + "-" + std::to_string(suffix) + extension);
+        suffix == 0 ? wanted : parent / (stem + "-" + std::to_string(suffix) + extension);
     const int fd = ::open(candidate.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
     if (fd >= 0) {
       ::close(fd);

@@ -9,7 +9,7 @@
 TEST(Version, LibraryHeaderAndProjectAgree) {
   EXPECT_EQ(std::string(tpfuse::version()), TPFUSE_VERSION_STRING);
   EXPECT_EQ(std::string(TPFUSE_VERSION_STRING), TPFUSE_PROJECT_VERSION);
-  EXPECT_EQ(std::string(TPFUSE_VERSION_STRING),
-            std::to_string(TPFUSE_VERSION_MAJOR) + "." + std::to_string(TPFUSE_VERSION_MINOR) +
-                "." + std::to_string(TPFUSE_VERSION_PATCH));
+  EXPECT_EQ(std::string(TPFUSE_VERSION_STRING), std::to_string(TPFUSE_VERSION_MAJOR) + "." +
+                                                    std::to_string(TPFUSE_VERSION_MINOR) + "." +
+                                                    std::to_string(TPFUSE_VERSION_PATCH));
 }
