@@ -59,18 +59,16 @@ bool is_aligned(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
 
-// Two [bytes]-long ranges either coincide (in-place use) or do not overlap at all.
-bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return x == y || x + bytes <= y || y + bytes <= x;
-}
-
 // Two ranges share no byte (empty ranges overlap nothing).
 bool disjoint(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   const auto x = reinterpret_cast<uintptr_t>(a);
   const auto y = reinterpret_cast<uintptr_t>(b);
   return a_bytes == 0 || b_bytes == 0 || x + a_bytes <= y || y + b_bytes <= x;
+}
+
+// Two [bytes]-long ranges either coincide (in-place use) or do not overlap at all.
+bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
+  return a == b || disjoint(a, bytes, b, bytes);
 }
 
 }  // namespace

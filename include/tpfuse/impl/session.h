@@ -68,12 +68,6 @@ class LamportSession {
     return kWorldSize > 0 ? kWorldSize : x.world_size;
   }
   TPF_HOST_DEVICE bool failed() const { return state_.failed != 0; }
-  TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
-
-  // Byte offset, inside any rank's workspace, of sender `sender`'s region of this call's slot.
-  TPF_HOST_DEVICE size_t region_offset(const Exchange& x, int sender) const {
-    return packet_offset(state_.slot, sender, world(x), x.packet_bytes);
-  }
   // Where this rank's packets go in any receiver's workspace: workspace[receiver] + this.
   TPF_HOST_DEVICE size_t send_offset(const Exchange& x) const { return region_offset(x, x.rank); }
   // Where sender `sender`'s packet arrives in this rank's workspace.
@@ -109,6 +103,11 @@ class LamportSession {
   }
 
  private:
+  // Byte offset, inside any rank's workspace, of sender `sender`'s region of this call's slot.
+  TPF_HOST_DEVICE size_t region_offset(const Exchange& x, int sender) const {
+    return packet_offset(state_.slot, sender, world(x), x.packet_bytes);
+  }
+
   CallState state_;
 };
 
