@@ -14,7 +14,8 @@
 # were measured with), else the system's. The device copy has no .git: pass the commit in
 # TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
 # TEST_REGEX narrows the tests (ctest -R). BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
-# SANITIZE_TOOLS, SANITIZE_TESTS (oneshot, qknorm) and SANITIZE_TIMEOUT narrow the sanitizer.
+# SANITIZE_TOOLS, SANITIZE_TESTS (oneshot, qknorm, shared_device) and SANITIZE_TIMEOUT narrow the
+# sanitizer.
 # experiments: EXPERIMENTS (environment settings, one bench run each) and EXPERIMENT_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,10 +65,13 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   step sanitize
   oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*'
   qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits:GpuQkNorm.MiniMaxShapesManyTokens'
+  # Several ranks on one GPU: the multi-rank kernels where one GPU is all there is.
+  shared_filter='Ranks/SharedDevice.RepeatedCallsGiveIdenticalBits/0:Ranks/SharedDevice.QkNormHalvesGiveTheFusedBits/0:Ranks/SharedDevice.AdversarialPayloads/0'
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     for test in ${SANITIZE_TESTS:-oneshot qknorm}; do
       filter=$oneshot_filter
       [ $test = qknorm ] && filter=$qk_filter
+      [ $test = shared_device ] && filter=$shared_filter
       # One log for all runs: the device tool returns at most 8 files.
       log="$OUT/sanitizer.log"
       echo "=== compute-sanitizer --tool $tool test_${test}_gpu" >>"$log"

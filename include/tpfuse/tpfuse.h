@@ -11,7 +11,14 @@
 //
 // Promises (tested): every rank gets bitwise-identical outputs; the same inputs give the same
 // bits on every call; sums are accumulated in fp32 in rank order 0..W-1 and rounded once.
-// Bad arguments throw tpfuse::Error naming the argument before any work is queued.
+// Bad arguments throw tpfuse::Error naming the argument before any work is queued; the rank
+// still takes its turn in the fused call (no data), so its peers' call ends at once with NaN
+// outputs and an error (Team::check) instead of a timeout, and the team goes on. Ranks whose
+// fused calls disagree (op, algorithm, dtype, epilogue, tokens, widths, eps) get NaN outputs and
+// an error naming the peer and the field, and the team is failed.
+//
+// Threads: a call blocks its thread on the CPU backend until every rank has made it, so an
+// in-process CPU team needs one thread per rank (CUDA calls only queue work).
 #pragma once
 
 #include <cstddef>
@@ -110,9 +117,12 @@ class Team {
   // How ranks reach each other's memory: "host memory" (CPU backend), "cuda peer access"
   // (in-process), "nccl window" or "cuda ipc" (multi-process), or "none" (NCCL only).
   const std::string& peer_memory() const;
-  // Throws tpfuse::Error if a previous call on this rank timed out waiting for a peer (naming the
-  // rank that did not arrive). Synchronizes with the rank's device work first. A failed team
-  // stays failed: create a new one.
+  // Synchronizes with the rank's device work, then throws tpfuse::Error if a call of this rank
+  // failed the team: a peer did not arrive in time (naming it), or a peer's call disagreed with
+  // this rank's (naming the peer, the field and both values). A failed team stays failed: create
+  // a new one. Also throws, once, if a peer rejected its part of a call since the last check:
+  // this rank's outputs of that call are NaN, and the team goes on. (The CPU backend throws all
+  // of these from the call itself.)
   void check() const;
 
   impl::TeamState* state() const { return state_.get(); }
@@ -203,6 +213,13 @@ void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float
                     cudaStream_t stream = nullptr);
 void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
                           cudaStream_t stream = nullptr);
+
+// This rank will not make the fused call its peers are making (the caller's own checks failed,
+// say): it takes its turn without data, where the call would have been, so that the peers' call
+// ends at once (NaN outputs, Team::check reports this rank) and the team goes on. The tpfuse ops
+// do this themselves when they reject their arguments. On the CPU it blocks until the peers'
+// calls arrive. Nothing happens on a team without peer stores (its calls run through NCCL).
+void reject_call(const Team& team, cudaStream_t stream = nullptr);
 
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
 bool cuda_available();

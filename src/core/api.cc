@@ -179,6 +179,23 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
   return call;
 }
 
+CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
+                            int64_t hidden, float eps) {
+  const uint32_t word0 = uint32_t(op) | uint32_t(dtype) << 4 | uint32_t(epilogue.residual) << 8 |
+                         uint32_t(epilogue.norm) << 9 | uint32_t(epilogue.weight) << 10;
+  const uint32_t extra[] = {epilogue.norm ? float_bits(eps) : 0u};
+  return make_signature(word0, uint32_t(tokens), uint32_t(hidden), extra, 1);
+}
+
+CallSignature qk_signature(const QkNormArgs& a) {
+  const uint32_t word0 =
+      uint32_t(CallOp::kQkOneShot) | uint32_t(a.dtype) << 4 | uint32_t(a.rope) << 12;
+  const uint32_t extra[] = {uint32_t(a.k_global_size), uint32_t(a.head_dim),
+                            uint32_t(a.rope != RopeStyle::kNone ? a.rotary_dim : 0),
+                            uint32_t(a.kv_replicas), float_bits(a.eps)};
+  return make_signature(word0, uint32_t(a.tokens), uint32_t(a.q_global_size), extra, 5);
+}
+
 namespace {
 
 const TeamState& team_of(const Team& team, const char* op) {
@@ -186,31 +203,69 @@ const TeamState& team_of(const Team& team, const char* op) {
   return *team.state();
 }
 
+// Whether this rank's turn in a call can be taken without data: the team exchanges through peer
+// stores, has peers and has not failed.
+bool takes_turns(const TeamState& state) {
+  return state.fused && state.world_size() > 1 && !team_failed(state);
+}
+
+// A call this rank rejected takes its turn as an absent call (session.h), so that its peers get
+// an error at once and the team goes on, unless its peers are likely on the NCCL path (the call
+// asked for it, or its own shape would go there), where a turn means nothing. A turn that cannot
+// be queued (the stream was what was wrong) is left out: the peers then time out.
+void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tokens, int64_t hidden,
+                        DType dtype, cudaStream_t stream, const char* op) {
+  if (!takes_turns(state) || requested == Algorithm::kNccl) return;
+  // Only a well-formed shape says where the peers' call goes; a malformed one is this rank's
+  // alone, and the peers' well-formed calls run fused.
+  const bool shape_valid = tokens >= 0 && hidden > 0 && hidden <= kMaxHidden &&
+                           hidden % kHiddenMultiple == 0 && is_known(dtype);
+  if (requested == Algorithm::kAuto && shape_valid &&
+      choose_algorithm(state, tokens, hidden, dtype, requested, op) == Algorithm::kNccl) {
+    return;
+  }
+  try {
+    state.ops->absent_call(state, rejected_signature(), stream);
+  } catch (const Error&) {
+    // Already reporting the rejection; the peers time out instead.
+  }
+}
+
 Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                    cudaStream_t stream, const char* op) {
   const TeamState& state = team_of(team, op);
-  validate_add_rmsnorm(args, epilogue, op);
-  const Algorithm algorithm =
-      choose_algorithm(state, args.tokens, args.hidden, args.dtype, args.algorithm, op);
-  state.ops->validate_call(&state,
-                           {{"input", args.input},
-                            {"residual", args.residual},
-                            {"gamma", args.gamma},
-                            {"residual_out", args.residual_out},
-                            {"norm_out", args.norm_out}},
-                           stream, op);
-  if (args.tokens == 0) return algorithm;  // every rank skips alike, no slot is used
-  const RowCall call = make_row_call(&state, args);
-  switch (algorithm) {
-    case Algorithm::kOneShot:
-      state.ops->oneshot(state, call, args.dtype, epilogue, stream);
-      break;
-    case Algorithm::kTwoShot:
-      state.ops->twoshot(state, call, args.dtype, epilogue, stream);
-      break;
-    default:
-      state.ops->nccl_path(state, call, args.dtype, epilogue, stream);
-      break;
+  Algorithm algorithm = Algorithm::kAuto;
+  try {
+    validate_add_rmsnorm(args, epilogue, op);
+    algorithm = choose_algorithm(state, args.tokens, args.hidden, args.dtype, args.algorithm, op);
+    state.ops->validate_call(&state,
+                             {{"input", args.input},
+                              {"residual", args.residual},
+                              {"gamma", args.gamma},
+                              {"residual_out", args.residual_out},
+                              {"norm_out", args.norm_out}},
+                             stream, op);
+  } catch (const Error&) {
+    take_rejected_turn(state, args.algorithm, args.tokens, args.hidden, args.dtype, stream, op);
+    throw;
+  }
+  if (algorithm == Algorithm::kNccl || algorithm == Algorithm::kAuto) {
+    if (args.tokens > 0) {
+      state.ops->nccl_path(state, make_row_call(&state, args), args.dtype, epilogue, stream);
+    }
+    return algorithm;  // no tokens: every rank skips alike, NCCL is not called
+  }
+  const CallOp call_op =
+      algorithm == Algorithm::kOneShot ? CallOp::kRowsOneShot : CallOp::kRowsTwoShot;
+  RowCall call = make_row_call(&state, args);
+  call.signature = row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps);
+  if (args.tokens == 0) {
+    // Still a turn: a peer whose call has tokens learns that this one had none.
+    if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
+  } else if (algorithm == Algorithm::kOneShot) {
+    state.ops->oneshot(state, call, args.dtype, epilogue, stream);
+  } else {
+    state.ops->twoshot(state, call, args.dtype, epilogue, stream);
   }
   return algorithm;
 }
@@ -237,8 +292,14 @@ Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cu
 Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
                     cudaStream_t stream, Algorithm algorithm) {
   // Any positive multiple of kHiddenMultiple is carried (as rows, below).
-  TPF_CHECK_ARG(count > 0 && count % kHiddenMultiple == 0, "allreduce",
-                "count must be a positive multiple of " << kHiddenMultiple << ", got " << count);
+  if (!(count > 0 && count % kHiddenMultiple == 0)) {
+    if (team.state() != nullptr) {
+      impl::take_rejected_turn(*team.state(), algorithm, 1, kHiddenMultiple, DType::kFloat32,
+                               stream, "allreduce");
+    }
+    TPF_CHECK_ARG(false, "allreduce",
+                  "count must be a positive multiple of " << kHiddenMultiple << ", got " << count);
+  }
   AddRmsNormArgs args;
   args.input = input;
   args.norm_out = out;
@@ -262,26 +323,47 @@ Algorithm allreduce(const Team& team, const void* input, void* out, int64_t coun
 Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
   const char* op = "allreduce_qk_rmsnorm";
   const impl::TeamState& state = impl::team_of(team, op);
-  impl::validate_qk_args(args, op);
-  const Algorithm algorithm = impl::choose_qk_algorithm(state, args, op);
-  impl::validate_qk_rmsnorm(state, args, algorithm, op);
-  state.ops->validate_call(&state,
-                           {{"qkv", args.qkv},
-                            {"q_out", args.q_out},
-                            {"k_out", args.k_out},
-                            {"q_gamma", args.q_gamma},
-                            {"k_gamma", args.k_gamma},
-                            {"positions", args.positions},
-                            {"cos_sin_cache", args.cos_sin_cache}},
-                           stream, op);
-  if (args.tokens == 0) return algorithm;
-  const impl::QkCall call = impl::make_qk_call(&state, args);
-  if (algorithm == Algorithm::kOneShot) {
-    state.ops->qk_oneshot(state, call, args.dtype, stream);
+  Algorithm algorithm = Algorithm::kAuto;
+  try {
+    impl::validate_qk_args(args, op);
+    algorithm = impl::choose_qk_algorithm(state, args, op);
+    impl::validate_qk_rmsnorm(state, args, algorithm, op);
+    state.ops->validate_call(&state,
+                             {{"qkv", args.qkv},
+                              {"q_out", args.q_out},
+                              {"k_out", args.k_out},
+                              {"q_gamma", args.q_gamma},
+                              {"k_gamma", args.k_gamma},
+                              {"positions", args.positions},
+                              {"cos_sin_cache", args.cos_sin_cache}},
+                             stream, op);
+  } catch (const Error&) {
+    // The QK norm takes the NCCL path only when asked or without peer stores.
+    if (args.algorithm != Algorithm::kNccl && impl::takes_turns(state)) {
+      try {
+        state.ops->absent_call(state, impl::rejected_signature(), stream);
+      } catch (const Error&) {
+      }
+    }
+    throw;
+  }
+  impl::QkCall call = impl::make_qk_call(&state, args);
+  if (algorithm != Algorithm::kOneShot) {
+    if (args.tokens > 0) state.ops->qk_nccl_path(state, call, args.dtype, stream);
+    return algorithm;
+  }
+  call.signature = impl::qk_signature(args);
+  if (args.tokens == 0) {
+    if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
   } else {
-    state.ops->qk_nccl_path(state, call, args.dtype, stream);
+    state.ops->qk_oneshot(state, call, args.dtype, stream);
   }
   return algorithm;
+}
+
+void reject_call(const Team& team, cudaStream_t stream) {
+  const impl::TeamState& state = impl::team_of(team, "reject_call");
+  if (impl::takes_turns(state)) state.ops->absent_call(state, impl::rejected_signature(), stream);
 }
 
 void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,

@@ -49,9 +49,14 @@ class BackendOps {
   virtual void qk_local(const QkCall& call, DType dtype, QkPass pass,
                         cudaStream_t stream) const = 0;
 
+  // This rank's turn in a fused call it makes without data: a rejection (rejected_signature) or
+  // a call of zero tokens (its own signature). session.h says why every rank must take it.
+  virtual void absent_call(const TeamState& team, const CallSignature& signature,
+                           cudaStream_t stream) const = 0;
+
   // Whether the team can run the NCCL path (the CPU's stand-in always can).
   virtual bool has_nccl_path(const TeamState& team) const = 0;
-  // Team::check: throws if a call of this rank timed out waiting for a peer.
+  // Team::check: synchronizes with the rank's work, then report_call_errors.
   virtual void check(const TeamState& team) const = 0;
 };
 

@@ -15,6 +15,7 @@ namespace tpfuse::impl {
 // alone on one rank (add_rmsnorm, the NCCL path's local kernel: exchange unused).
 struct RowCall {
   Exchange exchange;
+  CallSignature signature;  // what the call's header carries (collectives only)
   const void* input;
   const void* residual;
   const void* gamma;
@@ -28,6 +29,7 @@ struct RowCall {
 // A QK-norm call (or one of its local halves).
 struct QkCall {
   Exchange exchange;
+  CallSignature signature;  // what the call's header carries (the fused call only)
   const void* qkv;
   void* q_out;  // row stride q_out_stride elements
   void* k_out;  // row stride k_out_stride elements
@@ -53,6 +55,11 @@ struct QkCall {
 // kFused: the whole protocol; kSums: this rank's sums into QkCall::sums; kNormFromSums: the norm
 // from global sums in QkCall::sums. The three share every arithmetic step.
 enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
+
+// The signatures of a row collective and of the fused QK norm (session.h).
+CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
+                            int64_t hidden, float eps);
+CallSignature qk_signature(const QkNormArgs& args);
 
 // `team` null: the local form (no exchange; counts_k = 1).
 RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args);

@@ -60,4 +60,18 @@ std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int w
 
 void validate_team_options(const TeamOptions& options, const char* op);
 
+// Whether a call of this rank failed the team (timeout, disagreeing peer): read without
+// synchronizing with the device.
+inline bool team_failed(const TeamState& team) {
+  return __atomic_load_n(&team.exchange.errors->failure, __ATOMIC_ACQUIRE) != 0;
+}
+
+// Team::check's report (src/core/call_errors.cc), after the backend has synchronized with the
+// rank's work: throws naming the peer and the field for a failure (which stays), or for a peer's
+// rejected call (reported once: the team goes on).
+void report_call_errors(const TeamState& team);
+// The message for a failure of the team, as report_call_errors and the CPU backend throw it
+// (`device` -1 on the CPU).
+std::string describe_failure(const ErrorRecord& errors, int rank, int device);
+
 }  // namespace tpfuse::impl

@@ -48,13 +48,12 @@ class CpuBackend final : public BackendOps {
 
   bool has_nccl_path(const TeamState&) const override { return true; }
 
-  void check(const TeamState& team) const override {
-    const uint32_t error = __atomic_load_n(team.exchange.error_flag, __ATOMIC_ACQUIRE);
-    if (error != 0) {
-      TPF_FAIL("rank " << team.rank() << ": a call timed out waiting for rank " << error - 1
-                       << "; the team is failed");
-    }
+  void absent_call(const TeamState& team, const CallSignature& signature,
+                   cudaStream_t) const override {
+    cpu_absent_call(team.exchange, signature);
   }
+
+  void check(const TeamState& team) const override { report_call_errors(team); }
 };
 
 }  // namespace

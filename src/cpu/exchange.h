@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/team_state.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/session.h"
 
@@ -38,10 +39,76 @@ inline Vec16 load_vector(const char* address) {
   return v;
 }
 
-// Polls one packet vector until every word holds data, or the deadline passes: then marks the
-// team failed (error_flag = 1 + sender) and throws naming the missing rank.
-inline Vec16 poll_vector(const char* address, uint64_t timeout_ns, uint32_t* error_flag, int rank,
+// The CPU's side of the error record (session.h); only the rank's own thread writes it.
+inline void record_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
+                           const Vec16& theirs) {
+  if (x.control->error == 0)
+    __atomic_store_n(&x.control->error, uint32_t(1 + peer), __ATOMIC_RELEASE);
+  if (x.errors->failure != 0) return;
+  x.errors->failure_peer = uint32_t(peer);
+  x.errors->mine = mine;
+  x.errors->theirs = theirs;
+  __atomic_store_n(&x.errors->failure, uint32_t(kind), __ATOMIC_RELEASE);
+}
+
+[[noreturn]] inline void throw_failure(const Exchange& x) {
+  TPF_FAIL(describe_failure(*x.errors, x.rank, -1));
+}
+
+// What one CPU call has learned from its peers' headers: which peers rejected their call or
+// disagree with it (their packets never come, or do not mean what this call reads: the waits on
+// them return NaN). The call still makes every store its signature implies, then throws
+// (finish_call): a disagreement fails the team, a rejection does not.
+struct CpuCall {
+  const Exchange& x;
+  uint32_t session_slot;
+  CallSignature mine;
+  uint32_t rejected = 0;  // bit per peer
+
+  const char* header_of(int sender) const {
+    return x.workspace[x.rank] + header_offset(session_slot, sender, x.world_size, x.packet_bytes);
+  }
+  // A peer's header once in: records a rejection, or a disagreement (which fails the team).
+  // Returns true when the sender's packets are not this call's.
+  bool header_stops(int sender, const Vec16& header) {
+    if (same_signature(header, mine.header)) return false;
+    if (CallSignature{header}.op() == CallOp::kRejected) {
+      rejected |= 1u << sender;
+    } else {
+      disagreeing |= 1u << sender;
+      record_failure(x, CallError::kMismatch, sender, mine.header, header);
+    }
+    return true;
+  }
+  uint32_t disagreeing = 0;  // bit per peer
+};
+
+// Waits for one vector (a header, or a packet an absent call drains) with the team's deadline:
+// a deadline that passes marks the team failed and throws naming the missing rank.
+inline Vec16 wait_vector(const char* address, const Exchange& x, const CallSignature& mine,
                          int sender) {
+  Vec16 v = load_vector(address);
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spins = 0; !has_arrived(v); ++spins) {
+    if (spins >= 16) std::this_thread::yield();
+    if (spins % 64 == 63 && x.timeout_ns != 0) {
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()) >
+          x.timeout_ns) {
+        record_failure(x, CallError::kTimeout, sender, mine.header, v);
+        throw_failure(x);
+      }
+    }
+    v = load_vector(address);
+  }
+  return v;
+}
+
+// Polls one packet vector until every word holds data. While it waits it reads the sender's
+// header: a rejected peer ends the wait with NaN, a disagreeing one fails the team (throws). A
+// deadline that passes marks the team failed and throws naming the missing rank.
+inline Vec16 poll_vector(const char* address, CpuCall& call, int sender) {
+  if ((call.rejected | call.disagreeing) & (1u << sender)) return nan_vector();
   Vec16 v = load_vector(address);
   if (has_arrived(v)) return v;
   const auto start = std::chrono::steady_clock::now();
@@ -51,13 +118,31 @@ inline Vec16 poll_vector(const char* address, uint64_t timeout_ns, uint32_t* err
     // Ranks may outnumber cores: after a short spin, give the core to the peer being waited on.
     if (spins >= 16) std::this_thread::yield();
     if (spins % 64 == 63) {
+      const Vec16 header = load_vector(call.header_of(sender));
+      if (has_arrived(header) && call.header_stops(sender, header)) return nan_vector();
       const auto waited = std::chrono::steady_clock::now() - start;
       const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
-      if (timeout_ns != 0 && uint64_t(waited_ns) > timeout_ns) {
-        __atomic_store_n(error_flag, uint32_t(1 + sender), __ATOMIC_RELEASE);
-        TPF_FAIL("rank " << rank << " waited " << double(waited_ns) * 1e-9 << " s for rank "
-                         << sender << "'s packet: peer did not arrive; the team is now failed");
+      if (call.x.timeout_ns != 0 && uint64_t(waited_ns) > call.x.timeout_ns) {
+        record_failure(call.x, CallError::kTimeout, sender, call.mine.header, header);
+        throw_failure(call.x);
       }
+    }
+  }
+}
+
+// The end of a CPU call, after it has arrived: every peer's header is checked; a disagreement
+// throws (the team is failed), then a rejection (the team goes on).
+inline void finish_call(CpuCall& call) {
+  for (int r = 0; r < call.x.world_size; ++r) {
+    if (r == call.x.rank || ((call.rejected | call.disagreeing) & (1u << r))) continue;
+    call.header_stops(r, wait_vector(call.header_of(r), call.x, call.mine, r));
+  }
+  if (call.disagreeing != 0) throw_failure(call.x);
+  for (int r = 0; r < call.x.world_size; ++r) {
+    if (call.rejected & (1u << r)) {
+      TPF_FAIL("rank " << call.x.rank << ": rank " << r
+                       << " rejected its part of this call (its own error says why); this "
+                          "rank's outputs are NaN, and the team goes on");
     }
   }
 }
@@ -90,12 +175,15 @@ using CpuSession = LamportSession<ThreadCoop>;
 // nothing, so its peers time out too).
 inline CpuSession begin_session(const Exchange& exchange) {
   const CpuSession session(read_call_state<ThreadCoop>(exchange.control));
-  if (session.failed()) {
-    TPF_FAIL("rank " << exchange.rank << ": the team failed earlier (rank "
-                     << ThreadCoop::load(&exchange.control->error) - 1
-                     << " did not arrive); create a new team");
-  }
+  if (session.failed()) throw_failure(exchange);
   return session;
+}
+
+// Stores this rank's call header into every peer.
+inline void send_header(const Exchange& x, const CpuSession& session, const CallSignature& mine) {
+  for (int r = 0; r < x.world_size; ++r) {
+    if (r != x.rank) store_vector(x.workspace[r] + session.header_send_offset(x), mine.header);
+  }
 }
 
 }  // namespace tpfuse::impl

@@ -21,6 +21,8 @@ void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, 
                         int64_t row_elements, DType dtype);
 
 void cpu_qk_rmsnorm(const QkCall& call, DType dtype, QkPass pass);
+// A call this rank makes without data (a rejection, or no tokens): src/cpu/absent.cc.
+void cpu_absent_call(const Exchange& exchange, const CallSignature& signature);
 void cpu_qk_nccl_path(const QkCall& call, DType dtype);
 
 }  // namespace tpfuse::impl

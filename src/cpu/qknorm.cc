@@ -94,6 +94,8 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
   }
   const Exchange& x = p.exchange;
   const CpuSession session = begin_session(x);
+  CpuCall call{x, session.slot(), p.signature};
+  send_header(x, session, p.signature);
 
   // Send: {sum q^2, sum k^2} per token to every rank (its own too: its packet is in no input).
   for (int64_t token = 0; token < p.tokens; ++token) {
@@ -110,8 +112,7 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
   for (int64_t token = 0; token < p.tokens; ++token) {
     float sums[4] = {};
     for (int r = 0; r < x.world_size; ++r) {
-      const Vec16 packet = poll_vector(session.receive_region(x, r) + token * 16, x.timeout_ns,
-                                       x.error_flag, x.rank, r);
+      const Vec16 packet = poll_vector(session.receive_region(x, r) + token * 16, call, r);
       if (r == 0) {
         accumulate_first<float>(sums, packet);
       } else {
@@ -121,6 +122,7 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
     normalize_row<T>(p, token, sums[0], sums[1], normalized, rotated);
   }
   session.arrive(x.control, size_t(p.tokens) * 16);
+  finish_call(call);
 }
 
 }  // namespace

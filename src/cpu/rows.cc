@@ -69,16 +69,16 @@ void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token) {
 // region of this rank's slot (polling each until it has arrived) and this rank's own row, read
 // from its input at vector `own_vector` with sentinel words rewritten as a peer receives them.
 template <typename T>
-void receive_row(const CpuSession& session, const RowCall& p, size_t offset, int64_t own_vector,
-                 int64_t vectors, std::vector<float>& acc) {
+void receive_row(const CpuSession& session, CpuCall& call, const RowCall& p, size_t offset,
+                 int64_t own_vector, int64_t vectors, std::vector<float>& acc) {
   const Exchange& x = p.exchange;
   for (int64_t v = 0; v < vectors; ++v) {
     Lanes<T>& lanes = lanes_at<T>(acc, v);
     for (int r = 0; r < x.world_size; ++r) {
       const Vec16 packet =
-          r == x.rank ? rewrite_sentinel(load_plain(p.input, own_vector + v))
-                      : poll_vector(session.receive_region(p.exchange, r) + offset + v * 16,
-                                    x.timeout_ns, x.error_flag, x.rank, r);
+          r == x.rank
+              ? rewrite_sentinel(load_plain(p.input, own_vector + v))
+              : poll_vector(session.receive_region(p.exchange, r) + offset + v * 16, call, r);
       if (r == 0) {
         accumulate_first<T>(lanes, packet);
       } else {
@@ -101,10 +101,13 @@ void send_row(const Exchange& x, const CpuSession& session, int receiver, size_t
 template <typename T, typename Epilogue>
 void oneshot(const RowCall& p) {
   const CpuSession session = begin_session(p.exchange);
+  CpuCall call{p.exchange, session.slot(), p.signature};
   const int64_t vectors = p.hidden / Packed<T>::kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
 
-  // Send: this rank's packet, sentinel words rewritten, into every other rank's slot.
+  // Send: the call header, then this rank's packet, sentinel words rewritten, into every other
+  // rank's slot.
+  send_header(p.exchange, session, p.signature);
   for (int r = 0; r < session.world(p.exchange); ++r) {
     if (r != p.exchange.rank) send_row(p.exchange, session, r, 0, p.input, 0, p.tokens * vectors);
   }
@@ -113,10 +116,11 @@ void oneshot(const RowCall& p) {
   // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
   std::vector<float> acc(size_t(p.hidden));
   for (int64_t token = 0; token < p.tokens; ++token) {
-    receive_row<T>(session, p, size_t(token) * row_bytes, token * vectors, vectors, acc);
+    receive_row<T>(session, call, p, size_t(token) * row_bytes, token * vectors, vectors, acc);
     finish_row<T, Epilogue>(acc, p, token);
   }
   session.arrive(p.exchange.control, uint64_t(p.tokens) * row_bytes);
+  finish_call(call);
 }
 
 // Two-shot (tpfuse/impl/lamport.h): reduce-scatter the input rows to their owners, finish the
@@ -124,6 +128,8 @@ void oneshot(const RowCall& p) {
 template <typename T, typename Epilogue>
 void twoshot(const RowCall& p) {
   const CpuSession session = begin_session(p.exchange);
+  CpuCall call{p.exchange, session.slot(), p.signature};
+  send_header(p.exchange, session, p.signature);
   const int rank = p.exchange.rank;
   const int64_t vectors = p.hidden / Packed<T>::kElements;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
@@ -143,7 +149,7 @@ void twoshot(const RowCall& p) {
   // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
   std::vector<float> acc(size_t(p.hidden));
   for (int64_t local = 0; local < layout.count(rank); ++local) {
-    receive_row<T>(session, p, layout.scatter_row(local, row_bytes),
+    receive_row<T>(session, call, p, layout.scatter_row(local, row_bytes),
                    (layout.begin(rank) + local) * vectors, vectors, acc);
     finish_row<T, Epilogue>(
         acc, p, layout.begin(rank) + local, [&](int64_t v, const Vec16& rounded) {
@@ -157,20 +163,20 @@ void twoshot(const RowCall& p) {
   }
 
   // Rows other ranks own arrive rounded: finish them exactly as their owner did.
-  const Exchange& x = p.exchange;
   for (int owner = 0; owner < session.world(p.exchange); ++owner) {
     if (owner == rank) continue;
     const char* base = session.receive_region(p.exchange, owner);
     for (int64_t local = 0; local < layout.count(owner); ++local) {
       for (int64_t v = 0; v < vectors; ++v) {
-        const Vec16 packet = poll_vector(base + layout.gather_row(local, row_bytes) + v * 16,
-                                         x.timeout_ns, x.error_flag, rank, owner);
+        const Vec16 packet =
+            poll_vector(base + layout.gather_row(local, row_bytes) + v * 16, call, owner);
         accumulate_first<T>(lanes_at<T>(acc, v), packet);
       }
       finish_row<T, typename Epilogue::Gathered>(acc, p, layout.begin(owner) + local);
     }
   }
   session.arrive(p.exchange.control, layout.sender_bytes(row_bytes));
+  finish_call(call);
 }
 
 template <typename T, typename Epilogue>
@@ -223,6 +229,8 @@ void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, 
   for (int64_t first = 0; first < rows; first += chunk) {
     RowCall sum{};
     sum.exchange = exchange;
+    sum.signature = row_signature(CallOp::kRowsOneShot, dtype, SumEpilogue::kKind,
+                                  std::min(chunk, rows - first), row_elements, 0.0f);
     sum.input = static_cast<const char*>(input) + size_t(first) * row_bytes;
     sum.norm_out = static_cast<char*>(out) + size_t(first) * row_bytes;
     sum.tokens = std::min(chunk, rows - first);

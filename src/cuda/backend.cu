@@ -18,12 +18,7 @@ void cuda_check(const TeamState& team) {
   const cudaError_t status = cudaDeviceSynchronize();
   cudaSetDevice(previous);
   TPF_CHECK_CUDA(status);
-  const uint32_t error = *reinterpret_cast<volatile uint32_t*>(team.exchange.error_flag);
-  if (error != 0) {
-    TPF_FAIL("rank " << team.rank() << " (device " << team.device << "): a call timed out "
-                     << "waiting for rank " << error - 1 << "'s packet; the team is failed, "
-                     << "create a new one");
-  }
+  report_call_errors(team);
 }
 
 void cuda_preload_kernels(int world_size) {
@@ -31,6 +26,7 @@ void cuda_preload_kernels(int world_size) {
   cuda_preload_twoshot_kernels(world_size);
   cuda_preload_local_kernels();
   cuda_preload_qk_kernels(world_size);
+  cuda_preload_absent_kernel();
 }
 
 namespace {
@@ -131,6 +127,11 @@ class CudaBackend final : public BackendOps {
 
   void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream) const override {
     cuda_qk_local(call, dtype, pass, stream);
+  }
+
+  void absent_call(const TeamState& team, const CallSignature& signature,
+                   cudaStream_t stream) const override {
+    cuda_absent_call(team, signature, stream);
   }
 
   bool has_nccl_path(const TeamState& team) const override { return team.nccl_comm != nullptr; }

@@ -116,32 +116,119 @@ __device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_s
   return total;
 }
 
+// Error records (session.h). A failure (timeout, disagreeing peer) marks the team failed in the
+// control block (device memory, which later calls read cheaply) and in the host-mapped record
+// (which the host reads without synchronizing); the first one wins. System scope: the host reads
+// the record while the kernel may still run.
+__device__ __forceinline__ void record_failure(const Exchange& x, CallError kind, int peer,
+                                               const Vec16& mine, const Vec16& theirs) {
+  atomicCAS(&x.control->error, 0u, uint32_t(1 + peer));
+  if (atomicCAS_system(&x.errors->failure, 0u, uint32_t(kind)) == 0u) {
+    x.errors->failure_peer = uint32_t(peer);
+    x.errors->mine = mine;
+    x.errors->theirs = theirs;
+    __threadfence_system();
+  }
+}
+
+// What a sender's header, once in, says of this rank's call: nothing (same signature) or why
+// the call cannot have its data (recorded). Returns true when it differs.
+__device__ __forceinline__ bool header_differs(const Exchange& x, const CallSignature& mine,
+                                               const Vec16& header, int sender) {
+  if (same_signature(header, mine.header)) return false;
+  if (CallSignature{header}.op() == CallOp::kRejected) {
+    if (atomicCAS_system(&x.errors->call_error, 0u, uint32_t(CallError::kPeerRejected)) == 0u) {
+      x.errors->call_peer = uint32_t(sender);
+      __threadfence_system();
+    }
+  } else {
+    record_failure(x, CallError::kMismatch, sender, mine.header, header);
+  }
+  return true;
+}
+
 // The slow path of a poll: spins until every word of a packet vector holds data, with the
-// bounded wait. On timeout (or when another thread of this rank already timed out) it records
-// the missing sender in the control block (device memory, which later calls read cheaply) and
-// in the host-mapped error flag (which the host reads without synchronizing), and returns what
-// it has: the outputs of a failed call are garbage, and Team::check reports it.
+// bounded wait. Every 256 spins it also reads the hash word of the sender's call header: one
+// that is in and differs from this call's (a sender that rejected its call, or whose call
+// disagrees) ends the wait; so do a timeout (recorded here) and a failure another thread of
+// this rank recorded. What differed is recorded by the header check at the end of the call
+// (check_header), where it costs the fast path no registers. A wait that ends without data
+// returns NaN: the call's outputs are then NaN, and Team::check says why.
 // Inlined: a call would make the caller save its live registers (spills) around it.
-__device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, uint64_t timeout_ns,
-                                                 uint32_t* device_error, uint32_t* host_error,
+template <typename Session>
+__device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Session& session,
+                                                 const Exchange& x, const CallSignature& mine,
                                                  int sender) {
   uint64_t deadline = 0;
   for (uint32_t spins = 1;; ++spins) {
     const Vec16 v = load_packet(address);
     if (has_arrived(v)) return v;
-    if (timeout_ns != 0 && spins % 256 == 0) {
-      const uint64_t now = global_timer_ns();
-      if (deadline == 0) {
-        deadline = now + timeout_ns;
-      } else if (now > deadline || *reinterpret_cast<volatile uint32_t*>(device_error) != 0) {
-        const uint32_t code = uint32_t(1 + sender);
-        atomicCAS(device_error, 0u, code);
-        // System scope: the host reads this flag while the kernel may still run.
-        atomicCAS_system(host_error, 0u, code);
-        return v;
+    if (spins % 256 == 0) {
+      const uint32_t hash =
+          reinterpret_cast<const volatile uint32_t*>(session.received_header(x, sender))[3];
+      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
+      if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return nan_vector();
+      if (x.timeout_ns != 0) {
+        const uint64_t now = global_timer_ns();
+        if (deadline == 0) {
+          deadline = now + x.timeout_ns;
+        } else if (now > deadline) {
+          atomicCAS(&x.control->error, 0u, uint32_t(1 + sender));
+          if (atomicCAS_system(&x.errors->failure, 0u, uint32_t(CallError::kTimeout)) == 0u) {
+            x.errors->failure_peer = uint32_t(sender);
+          }
+          return nan_vector();
+        }
       }
     }
   }
+}
+
+// The cheap header check (session.h): lane r of block 0's first warp (r a peer) loads sender r's
+// header hash right after its sends (early_header_hash) and compares it once the call's data is
+// in (check_header): a late header is waited for there, a differing one read whole.
+template <typename Session>
+__device__ __forceinline__ uint32_t early_header_hash(const Session& session, const Exchange& x,
+                                                      const CallSignature& mine) {
+  const int sender = int(threadIdx.x);
+  if (blockIdx.x != 0 || sender >= session.world(x) || sender == x.rank) return mine.hash();
+  return reinterpret_cast<const volatile uint32_t*>(session.received_header(x, sender))[3];
+}
+
+template <typename Session>
+__device__ __forceinline__ void check_header(const Session& session, const Exchange& x,
+                                             const CallSignature& mine, uint32_t early_hash) {
+  if (early_hash == mine.hash()) return;  // also every thread that checks no sender
+  const int sender = int(threadIdx.x);
+  const Vec16* address = session.received_header(x, sender);
+  uint64_t deadline = 0;
+  Vec16 header = load_packet(address);
+  for (uint32_t spins = 1; !has_arrived(header); ++spins) {
+    if (spins % 256 == 0) {
+      if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return;
+      if (x.timeout_ns != 0) {
+        const uint64_t now = global_timer_ns();
+        if (deadline == 0) {
+          deadline = now + x.timeout_ns;
+        } else if (now > deadline) {
+          record_failure(x, CallError::kTimeout, sender, mine.header, header);
+          return;
+        }
+      }
+    }
+    header = load_packet(address);
+  }
+  header_differs(x, mine, header, sender);
+}
+
+// Stores this rank's call header into every peer (threads 0..W-1 of block 0).
+template <typename Session>
+__device__ __forceinline__ void send_header(const Session& session, const Exchange& x,
+                                            const CallSignature& mine) {
+  const int receiver = int(threadIdx.x);
+  if (blockIdx.x != 0 || receiver >= session.world(x) || receiver == x.rank) return;
+  store_packet(reinterpret_cast<Vec16*>(x.workspace[receiver] + session.header_send_offset(x)),
+               mine.header);
 }
 
 // The session's Coop on the GPU: a participant is a block (one of its threads arrives), the

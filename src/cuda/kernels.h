@@ -22,7 +22,11 @@ void cuda_qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t st
 // Load every kernel a team of this world size may launch, on the current device: CUDA loads
 // kernels lazily, and a load can wait for the device to go idle while a kernel of this rank
 // spins on a peer whose host thread is itself blocked loading one (launch.cuh, preload).
+// A call this rank makes without data (a rejection, or no tokens): src/cuda/absent.cu.
+void cuda_absent_call(const TeamState& team, const CallSignature& signature, cudaStream_t stream);
+
 void cuda_preload_kernels(int world_size);
+void cuda_preload_absent_kernel();
 void cuda_preload_oneshot_kernels(int world_size);
 void cuda_preload_twoshot_kernels(int world_size);
 void cuda_preload_local_kernels();

@@ -8,9 +8,10 @@
 //                                 tpfuse call, or whatever wrote our inputs) may still run.
 //   [after the wait]              the previous grid has completed and its writes are visible.
 //   1. thread 0 reads the slot index s = k%3 and the bytes slot (k+2)%3 last received.
-//   2. send: each block stores its tokens' packets (input, sentinel rewritten) into slot k%3,
-//      sender index `rank`, of every other rank's workspace (a rank's own contribution is read
-//      from its input in step 6: it never goes through its slot).
+//   2. send: block 0 stores the call's header into every other rank (session.h), then each
+//      block stores its tokens' packets (input, sentinel rewritten) into slot k%3, sender index
+//      `rank`, of every other rank's workspace (a rank's own contribution is read from its
+//      input in step 6: it never goes through its slot).
 //   3. arrival: thread 0 counts its block in; the last block to arrive resets the count and
 //      advances the slot index (every block has read it by then), and records this call's
 //      packet bytes for slot k%3, so call k+1 knows what to clear.
@@ -22,7 +23,8 @@
 //   5. clear: slot (k+2)%3 of this rank (what call k-1 read) is re-filled with the sentinel.
 //   6. receive: each block polls its tokens' vectors in this rank's slot k%3 for every other
 //      sender, sums them and its own input (sentinel rewritten) in rank order 0..W-1 in fp32,
-//      and runs the epilogue.
+//      and runs the epilogue. A wait that takes long reads the sender's header (a rejected or
+//      disagreeing call ends it, with NaN); block 0 checks every peer's header at the end.
 //
 // Grid: no more blocks than can be resident together (occupancy, at most 4 per multiprocessor),
 // so every block of the grid is resident at once;
@@ -66,7 +68,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
   if (session.failed()) return;
 
-  // 2. Send.
+  // 2. Send: the call header (block 0), then the packets.
+  send_header(session, p.exchange, p.signature);
   const size_t send_offset = session.send_offset(p.exchange);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
@@ -85,8 +88,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
     }
   }
 
-  // 3. Arrival.
+  // 3. Arrival; block 0 loads its peers' header hashes (checked after the receive).
   if (threadIdx.x == 0) session.arrive(control, uint64_t(p.tokens * p.hidden) * sizeof(T));
+  const uint32_t early_hash = early_header_hash(session, p.exchange, p.signature);
 
   // 4.
   launch_dependents();
@@ -107,10 +111,11 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, slot_base + token * vectors, p.exchange.packet_bytes,
         reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, gridDim.x >= p.tokens,
-        world, vectors, p.exchange);
+        world, vectors, session, p);
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                             NoSend{});
   }
+  check_header(session, p.exchange, p.signature, early_hash);
 }
 
 template <typename Tag>

@@ -6,7 +6,8 @@
 //   1. thread 0 reads the slot index, the bytes to clear and the error flag, while every
 //      thread loads its q / k vectors of its block's first token and, for RoPE in registers,
 //      that token's position, then its cos / sin values (the latencies overlap).
-//   2. per token of the block: sums of squares of q and k, one fixed-order block sum of the
+//   2. thread 0 of block 0 stores the call's header into every other rank (session.h); per
+//      token of the block: sums of squares of q and k, one fixed-order block sum of the
 //      pair (its barrier publishes what thread 0 read); thread 0 stores the packet into every
 //      rank's slot. kLoadAhead: a block with several tokens loads the next token's vectors
 //      first.
@@ -16,7 +17,8 @@
 //      call's slot but this rank's own region: as the add + RMSNorm one-shot kernel (oneshot.cu
 //      says why it is safe).
 //   4. per token: thread 0 polls the W packets of this token and sums them in rank order (the
-//      same bits on every rank; its own packet is one this thread stored in step 2), computes
+//      same bits on every rank; its own packet is one this thread stored in step 2; a long wait
+//      reads the sender's header, and block 0 checks every peer's at the end), computes
 //      both scales and shares them; each thread normalizes its vectors (still in registers
 //      when the block has one token; else reloaded, with kLoadAhead the next token's while
 //      this one is finished); RoPE (RopePath below) rotates them, in registers with the
@@ -184,6 +186,18 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       load_values(token, values);
     }
   };
+  if (kFused && threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0) {
+    // The call header first (session.h), from the slot thread 0 read.
+    const GpuSession<kWorldSize> sender(state);
+#pragma unroll
+    for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+      if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
+      if (r == p.exchange.rank) continue;
+      store_packet(
+          reinterpret_cast<Vec16*>(p.exchange.workspace[r] + sender.header_send_offset(p.exchange)),
+          p.signature.header);
+    }
+  }
   for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
        token += gridDim.x) {
     take_token(token);
@@ -221,6 +235,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if (kFused && shared_state.failed != 0) return;
   const GpuSession<kWorldSize> session(kFused ? shared_state : CallState{0, 0, 0});
   const int world = session.world(p.exchange);
+  const uint32_t early_hash =
+      kFused ? early_header_hash(session, p.exchange, p.signature) : p.signature.hash();
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t c = vector_of(i);
@@ -271,8 +287,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       for (int r = 0; r < kPolls; ++r) {
         if (r >= world) break;
         if (!has_arrived(packets[r])) {
-          packets[r] = wait_for_packet(address(r), p.exchange.timeout_ns, &control->error,
-                                       p.exchange.error_flag, r);
+          packets[r] = wait_for_packet(address(r), session, p.exchange, p.signature, r);
         }
         if (r == 0) {
           accumulate_first<float>(sums, packets[r]);
@@ -351,6 +366,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     }
     __syncthreads();  // shared_scale and the normalized row are reused by the next token
   }
+  if constexpr (kFused) check_header(session, p.exchange, p.signature, early_hash);
 }
 
 // Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the
@@ -383,7 +399,7 @@ constexpr bool qk_kernel_exists() {
 
 void cuda_qk_rmsnorm(const TeamState& team, const QkCall& params, DType dtype,
                      cudaStream_t stream) {
-  if (*reinterpret_cast<volatile uint32_t*>(team.exchange.error_flag) != 0) cuda_check(team);
+  if (team_failed(team)) cuda_check(team);
   DeviceGuard guard(team.device);
   // The widest block that fits (one vector a thread): more vectors a thread measured slower.
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, dtype_size(dtype));

@@ -89,7 +89,7 @@ template <typename KernelOf>
 void launch_row_collective(const TeamState& team, const RowCall& call, DType dtype,
                            const RowEpilogueKind& epilogue, cudaStream_t stream,
                            KernelOf&& kernel_of) {
-  if (*reinterpret_cast<volatile uint32_t*>(team.exchange.error_flag) != 0) cuda_check(team);
+  if (team_failed(team)) cuda_check(team);
   DeviceGuard guard(team.device);
   const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
   dispatch_row_kernel(dtype, team.world_size(), epilogue, shape, [&](auto kernel_tag) {

@@ -49,14 +49,14 @@ __device__ __forceinline__ CallState begin_call(const ControlBlock* control, con
 // bytes apart, this rank's own contribution (sentinel words rewritten as a peer receives them)
 // from `own_row` (registers) when `own_in_registers`, else from `own` (its input row in memory):
 // a rank's own rows never go through its slot.
-template <typename T, int kWorldSize, int kVecsPerThread>
+template <typename T, int kWorldSize, int kVecsPerThread, typename Session>
 __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
                                             const Vec16* address, size_t sender_stride,
                                             const Vec16* own,
                                             const Vec16 (&own_row)[kVecsPerThread],
                                             bool own_in_registers, int world, int64_t vectors,
-                                            const Exchange& x) {
-  ControlBlock* const control = x.control;
+                                            const Session& session, const RowCall& p) {
+  const Exchange& x = p.exchange;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     if (!owns<kVecsPerThread>(i, vectors)) continue;
@@ -78,8 +78,7 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
 #pragma unroll
       for (int r = 0; r < kWorldSize; ++r) {
         if (!has_arrived(packets[r])) {
-          packets[r] =
-              wait_for_packet(sender_address(r), x.timeout_ns, &control->error, x.error_flag, r);
+          packets[r] = wait_for_packet(sender_address(r), session, x, p.signature, r);
         }
       }
       accumulate_first<T>(acc[i], packets[0]);
@@ -89,8 +88,7 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
       for (int r = 0; r < world; ++r) {
         Vec16 packet = r == x.rank ? own_vector() : load_packet(sender_address(r));
         if (!has_arrived(packet)) {
-          packet =
-              wait_for_packet(sender_address(r), x.timeout_ns, &control->error, x.error_flag, r);
+          packet = wait_for_packet(sender_address(r), session, x, p.signature, r);
         }
         if (r == 0) {
           accumulate_first<T>(acc[i], packet);

@@ -5,7 +5,8 @@
 //
 //   [before griddepcontrol.wait]  nothing that reads or writes memory (as in one-shot).
 //   1. thread 0 reads the slot index, the bytes to clear and the error word.
-//   2. scatter: each block stores input rows (sentinel words rewritten) into the slot of the
+//   2. scatter: block 0 stores the call's header into every other rank (session.h), then each
+//      block stores input rows (sentinel words rewritten) into the slot of the
 //      rank that owns their token, sender index `rank`, rows [0, per); rows this rank owns stay
 //      in its input (a rank's own rows never go through its slot).
 //   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
   if (session.failed()) return;  // a failed team sends nothing (see oneshot.cu)
   const size_t my_sender_offset = session.send_offset(p.exchange);
+  send_header(session, p.exchange, p.signature);
 
   // 2. Scatter (rows this rank owns stay in its input: step 4 reads them there).
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
 
   // 3.
   if (threadIdx.x == 0) session.arrive(control, layout.sender_bytes(row_bytes));
+  const uint32_t early_hash = early_header_hash(session, p.exchange, p.signature);
   launch_dependents();
   session.clear_previous(p.exchange);
 
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
         p.exchange.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input,
-        false, world, vectors, p.exchange);
+        false, world, vectors, session, p);
     const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, Epilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {
@@ -121,8 +124,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
       if (!owns<kVecsPerThread>(i, vectors)) continue;
       Vec16 packet = load_packet(address + owned(i));
       if (!has_arrived(packet)) {
-        packet = wait_for_packet(address + owned(i), p.exchange.timeout_ns, &control->error,
-                                 p.exchange.error_flag, owner);
+        packet = wait_for_packet(address + owned(i), session, p.exchange, p.signature, owner);
       }
       accumulate_first<T>(acc[i], packet);
     }
@@ -131,6 +133,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     finish_row<T, kVecsPerThread, typename Epilogue::Gathered>(acc, no_residual, gamma, p, token,
                                                                vectors, shared_sums, NoSend{});
   }
+  check_header(session, p.exchange, p.signature, early_hash);
 }
 
 template <typename Tag>

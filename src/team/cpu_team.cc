@@ -40,6 +40,7 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
   const size_t bytes = impl::workspace_bytes(world_size, options.packet_bytes);
   std::array<char*, kMaxWorldSize> workspace{};
   std::vector<impl::ControlBlock*> controls;
+  std::vector<impl::ErrorRecord*> records;
   for (int r = 0; r < world_size; ++r) {
     workspace[r] = static_cast<char*>(impl::allocate_aligned(bytes));
     memory->blocks.push_back(workspace[r]);
@@ -50,6 +51,11 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
     memory->blocks.push_back(control);
     *control = impl::ControlBlock{};
     controls.push_back(control);
+    auto* record =
+        static_cast<impl::ErrorRecord*>(impl::allocate_aligned(sizeof(impl::ErrorRecord)));
+    memory->blocks.push_back(record);
+    *record = impl::ErrorRecord{};
+    records.push_back(record);
   }
   // No fence needed: the caller's rank threads start after this returns, and starting a thread
   // orders everything before it (the sentinel fill included) before the thread's first step.
@@ -63,7 +69,7 @@ std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options) {
                                       "host memory");
     for (int p = 0; p < world_size; ++p) state->exchange.workspace[p] = workspace[p];
     state->exchange.control = controls[r];
-    state->exchange.error_flag = &controls[r]->error;
+    state->exchange.errors = records[r];
     state->memory = memory;
     team.emplace_back(std::move(state));
   }

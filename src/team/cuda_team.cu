@@ -2,6 +2,8 @@
 // through CUDA peer access (unified addressing: a peer's cudaMalloc pointer is valid here).
 #include <cuda_runtime.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <mutex>
 #include <set>
@@ -132,16 +134,17 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
   std::vector<ControlBlock*> controls(world_size);
   std::vector<int> multiprocessors(world_size);
   std::vector<float*> qk_sums(world_size);
-  uint32_t* error_flags = nullptr;
-  uint32_t* arrived = nullptr;
-  TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&error_flags),
-                               sizeof(uint32_t) * world_size * (1 + world_size),
-                               cudaHostAllocMapped | cudaHostAllocPortable));
-  memory->host_allocations.push_back(error_flags);
-  arrived = error_flags + world_size;  // [world][world] handshake results
+  // Every rank's error record, then the [world][world] handshake results.
+  const size_t host_bytes =
+      sizeof(ErrorRecord) * world_size + sizeof(uint32_t) * world_size * world_size;
+  void* host = nullptr;
+  TPF_CHECK_CUDA(cudaHostAlloc(&host, host_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  memory->host_allocations.push_back(host);
+  std::memset(host, 0, host_bytes);
+  ErrorRecord* const errors = static_cast<ErrorRecord*>(host);
+  uint32_t* const arrived = reinterpret_cast<uint32_t*>(errors + world_size);
   const size_t bytes = allocation_bytes(world_size, options.packet_bytes);
   for (int r = 0; r < world_size; ++r) {
-    error_flags[r] = 0;
     TPF_CHECK_CUDA(cudaSetDevice(devices[r]));
     void* pointer = nullptr;
     if (peer_stores) {
@@ -204,7 +207,7 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
                        fallback_reason.empty() ? "cuda peer access" : "none");
     for (int p = 0; p < world_size; ++p) state->exchange.workspace[p] = workspace[p];
     state->exchange.control = controls[r];
-    state->exchange.error_flag = error_flags + r;
+    state->exchange.errors = errors + r;
     state->device = devices[r];
     state->multiprocessors = multiprocessors[r];
     state->nccl_comm = memory->comms.empty() ? nullptr : memory->comms[r];

@@ -138,10 +138,12 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
   TPF_CHECK_CUDA(cudaMalloc(&exchange, sizeof(uint64_t) * kMaxWorldSize));
   memory->device_allocations.push_back(exchange);
 
-  TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&memory->host_flags),
-                               sizeof(uint32_t) * (1 + kMaxWorldSize), cudaHostAllocMapped));
-  std::memset(memory->host_flags, 0, sizeof(uint32_t) * (1 + kMaxWorldSize));
-  uint32_t* arrived = memory->host_flags + 1;
+  // The rank's error record, then the handshake's per-peer results.
+  const size_t host_bytes = sizeof(ErrorRecord) + sizeof(uint32_t) * kMaxWorldSize;
+  TPF_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&memory->host_flags), host_bytes,
+                               cudaHostAllocMapped));
+  std::memset(memory->host_flags, 0, host_bytes);
+  uint32_t* arrived = memory->host_flags + sizeof(ErrorRecord) / sizeof(uint32_t);
 
   const size_t bytes = allocation_bytes(world, options.packet_bytes);
   std::array<char*, kMaxWorldSize> workspace{};
@@ -274,7 +276,7 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
                               reason.empty() ? peer_memory : "none");
   for (int r = 0; r < world; ++r) state->exchange.workspace[r] = workspace[r];
   state->exchange.control = static_cast<ControlBlock*>(control);
-  state->exchange.error_flag = memory->host_flags;
+  state->exchange.errors = reinterpret_cast<ErrorRecord*>(memory->host_flags);
   state->device = device;
   TPF_CHECK_CUDA(
       cudaDeviceGetAttribute(&state->multiprocessors, cudaDevAttrMultiProcessorCount, device));

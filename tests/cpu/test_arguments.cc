@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tpfuse/tpfuse.h"
@@ -29,32 +30,67 @@ void expect_error_naming(const std::function<void()>& call, const std::string& n
   }
 }
 
+// A world-2 team: rank 0 makes the bad call while rank 1 makes a good one on its own thread. A
+// rejected call still takes its turn (without data), so rank 1's call ends at once with an error
+// naming rank 0, and the team goes on: the next good call on both ranks succeeds.
 class Arguments : public ::testing::Test {
  protected:
   void SetUp() override {
     TeamOptions options;
     options.packet_bytes = 256;  // two tokens of 64 bf16
+    options.peer_timeout_seconds = 5.0;
     team_ = create_cpu_team(2, options);
-    args_.input = buffers_.input;
-    args_.residual = buffers_.residual;
-    args_.gamma = buffers_.gamma;
-    args_.residual_out = buffers_.residual_out;
-    args_.norm_out = buffers_.norm_out;
-    args_.tokens = 2;
-    args_.hidden = 64;
-    args_.dtype = DType::kBFloat16;
+    args_ = args_for(buffers_);
+    peer_args_ = args_for(peer_buffers_);
   }
-  // Validation runs before the protocol, so one rank alone gets the error and never blocks.
+  static AddRmsNormArgs args_for(Buffers& b) {
+    AddRmsNormArgs args;
+    args.input = b.input;
+    args.residual = b.residual;
+    args.gamma = b.gamma;
+    args.residual_out = b.residual_out;
+    args.norm_out = b.norm_out;
+    args.tokens = 2;
+    args.hidden = 64;
+    args.dtype = DType::kBFloat16;
+    return args;
+  }
+  // Runs `call` on rank 0 while rank 1 makes a good call; returns rank 1's error ("" if none).
+  std::string against_good_peer(const std::function<void()>& call) {
+    std::string peer_error;
+    std::thread peer([&] {
+      try {
+        allreduce_add_rmsnorm(team_[1], peer_args_);
+      } catch (const Error& error) {
+        peer_error = error.what();
+      }
+    });
+    call();
+    peer.join();
+    return peer_error;
+  }
+  // Both ranks make a good call: the team went on.
+  void expect_team_goes_on() {
+    std::thread peer([&] { EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[1], peer_args_)); });
+    EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[0], args_));
+    peer.join();
+  }
   void expect_rejected(const std::function<void(AddRmsNormArgs&)>& mutate,
                        const std::string& name) {
     AddRmsNormArgs args = args_;
     mutate(args);
-    expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); }, name);
+    const std::string peer_error = against_good_peer(
+        [&] { expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); }, name); });
+    EXPECT_NE(peer_error.find("rank 1: rank 0 rejected its part of this call"), std::string::npos)
+        << "rank 1 got: " << peer_error;
+    expect_team_goes_on();
   }
 
   Buffers buffers_{};
+  Buffers peer_buffers_{};
   std::vector<Team> team_;
   AddRmsNormArgs args_;
+  AddRmsNormArgs peer_args_;
 };
 
 TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
@@ -108,55 +144,85 @@ TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
   expect_rejected([](auto& a) { a.algorithm = Algorithm(9); }, "algorithm 9 is not an Algorithm");
 }
 
-TEST_F(Arguments, InPlaceIsAcceptedAndEmptyBatchIsANoOp) {
+TEST_F(Arguments, EmptyBatchesTakeTheirTurnAndMustAgree) {
   AddRmsNormArgs args = args_;
-  args.tokens = 0;  // every rank skips alike; no slot is used, so one rank alone returns
-  EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[0], args));
+  args.tokens = 0;
   // An empty batch's row tensors may be null (what an empty torch tensor's data pointer is).
   args.input = nullptr;
   args.residual = nullptr;
   args.residual_out = nullptr;
   args.norm_out = nullptr;
+  AddRmsNormArgs peer_args = args;
+  std::thread peer([&] { EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[1], peer_args)); });
   EXPECT_NO_THROW(allreduce_add_rmsnorm(team_[0], args));
+  peer.join();
+  expect_team_goes_on();
+  // A rank with no tokens while its peer has some: both are told, naming the field.
+  std::string peer_error;
+  std::thread disagreeing([&] {
+    try {
+      allreduce_add_rmsnorm(team_[1], peer_args_);
+    } catch (const Error& error) {
+      peer_error = error.what();
+    }
+  });
+  expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                      "rank 1's call disagrees with this rank's, in tokens: 0 here, 2 on rank 1");
+  disagreeing.join();
+  EXPECT_NE(peer_error.find("rank 0's call disagrees with this rank's, in tokens: 2 here, 0 on"),
+            std::string::npos)
+      << peer_error;
 }
 
 TEST_F(Arguments, MessagesNameRepositoryPathsNotTheBuildMachines) {
   AddRmsNormArgs args = args_;
   args.input = nullptr;
-  try {
-    allreduce_add_rmsnorm(team_[0], args);
-    FAIL() << "accepted a null input";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_NE(message.find("(src/core/validate.cc:"), std::string::npos) << message;
-    EXPECT_EQ(message.find("(/"), std::string::npos) << message;
-  }
+  against_good_peer([&] {
+    try {
+      allreduce_add_rmsnorm(team_[0], args);
+      ADD_FAILURE() << "accepted a null input";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find("(src/core/validate.cc:"), std::string::npos) << message;
+      EXPECT_EQ(message.find("(/"), std::string::npos) << message;
+    }
+  });
 }
 
 TEST_F(Arguments, EmptyTeamHandleAndStreamOnCpu) {
   expect_error_naming([&] { allreduce_add_rmsnorm(Team{}, args_); }, "team is an empty handle");
   expect_error_naming([&] { Team{}.rank(); }, "empty");
-  expect_error_naming(
-      [&] { allreduce_add_rmsnorm(team_[0], args_, reinterpret_cast<cudaStream_t>(0x10)); },
-      "stream must be null for a CPU-backend team");
+  const std::string peer_error = against_good_peer([&] {
+    expect_error_naming(
+        [&] { allreduce_add_rmsnorm(team_[0], args_, reinterpret_cast<cudaStream_t>(0x10)); },
+        "stream must be null for a CPU-backend team");
+  });
+  EXPECT_NE(peer_error.find("rank 0 rejected"), std::string::npos) << peer_error;
+  expect_team_goes_on();
 }
 
 TEST_F(Arguments, AllreduceRejectsBadCounts) {
-  expect_error_naming(
+  const auto expect_count_rejected = [&](const std::function<void()>& call,
+                                         const std::string& name) {
+    const std::string peer_error = against_good_peer([&] { expect_error_naming(call, name); });
+    EXPECT_NE(peer_error.find("rank 0 rejected"), std::string::npos) << peer_error;
+  };
+  expect_count_rejected(
       [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 12, DType::kBFloat16); },
       "count must be a positive multiple of 8, got 12");
   // Larger counts are carried as rows: the message promises no upper bound, and none applies.
-  expect_error_naming(
+  expect_count_rejected(
       [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 20004, DType::kBFloat16); },
       "count must be a positive multiple of 8, got 20004");
-  expect_error_naming(
+  expect_count_rejected(
       [&] { allreduce(team_[0], buffers_.input, buffers_.norm_out, 0, DType::kBFloat16); },
       "count must be a positive multiple of 8, got 0");
-  expect_error_naming(
+  expect_count_rejected(
       [&] { allreduce(team_[0], nullptr, buffers_.norm_out, 16, DType::kBFloat16); },
       "input is null");
-  expect_error_naming([&] { allreduce(team_[0], buffers_.input, nullptr, 16, DType::kBFloat16); },
-                      "out is null");
+  expect_count_rejected([&] { allreduce(team_[0], buffers_.input, nullptr, 16, DType::kBFloat16); },
+                        "out is null");
+  expect_team_goes_on();
 }
 
 TEST_F(Arguments, LocalAddRmsNormNeedsResidual) {

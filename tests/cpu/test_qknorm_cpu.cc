@@ -155,11 +155,38 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
   good.kv_size = 128;
   good.q_global_size = 1024;
   good.k_global_size = 512;
+  // Rank 0 makes the bad call while ranks 1-3 make good ones: the rejected call takes its turn,
+  // so theirs end at once with an error naming rank 0, and the team goes on.
+  static uint16_t peer_qkv[4][4096];
+  const auto good_call = [&](int rank, std::string* error) {
+    QkNormArgs a = good;
+    a.qkv = peer_qkv[rank];
+    try {
+      allreduce_qk_rmsnorm(team[rank], a);
+    } catch (const Error& e) {
+      *error = e.what();
+    }
+  };
   const auto rejected = [&](const std::function<void(QkNormArgs&)>& mutate,
                             const std::string& name) {
     QkNormArgs a = good;
     mutate(a);
+    std::string errors[4];
+    std::vector<std::thread> peers;
+    for (int r = 1; r < 4; ++r) peers.emplace_back(good_call, r, &errors[r]);
     expect_error_naming([&] { allreduce_qk_rmsnorm(team[0], a); }, name);
+    for (auto& peer : peers) peer.join();
+    for (int r = 1; r < 4; ++r) {
+      EXPECT_NE(errors[r].find("rank 0 rejected its part of this call"), std::string::npos)
+          << "rank " << r << " got: " << errors[r];
+    }
+    peers.clear();
+    for (int r = 0; r < 4; ++r) {
+      errors[r].clear();
+      peers.emplace_back(good_call, r, &errors[r]);
+    }
+    for (auto& peer : peers) peer.join();
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "the team did not go on";
   };
   rejected([](auto& a) { a.qkv = nullptr; }, "qkv is null");
   rejected([](auto& a) { a.q_gamma = nullptr; }, "q_gamma is null");

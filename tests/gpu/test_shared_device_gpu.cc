@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda_harness.h"
+#include "misuse_properties.h"
 #include "oneshot_properties.h"
 #include "qknorm_properties.h"
 #include "team/teams.h"
@@ -77,6 +78,23 @@ TEST_P(SharedDevice, QkNormIdenticalBitsOnEveryRankAndAdversarialValues) {
 
 TEST_P(SharedDevice, QkNormHalvesGiveTheFusedBits) {
   check_qk_halves_match_fused(*harness_, seed(1000));
+}
+
+// Rejected and disagreeing calls at random (tests/common/misuse_properties.h): the kernels' header
+// checks, the absent call's drain, the NaN outputs and the error records, on the GPU.
+TEST_P(SharedDevice, MisuseReportedWhereItBelongsAndTheNextCallCorrect) {
+  const std::vector<int> devices(GetParam(), 0);
+  TeamOptions options;
+  options.peer_timeout_seconds = 5.0;
+  harness_->team() = impl::create_in_process_cuda_team(devices, options, true);
+  const MisuseCounts counts =
+      check_misuse(*harness_, seed(1010), 300, std::min<int64_t>(8, max_tokens()), [&] {
+        return impl::create_in_process_cuda_team(devices, options, /*shared_devices=*/true);
+      });
+  EXPECT_GT(counts.rejected, 10);
+  EXPECT_GT(counts.disagreeing, 10);
+  std::printf("%d ranks: %d good, %d rejected, %d disagreeing calls\n", GetParam(), counts.good,
+              counts.rejected, counts.disagreeing);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, SharedDevice, ::testing::Values(2, 4));

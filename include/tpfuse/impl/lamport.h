@@ -35,7 +35,14 @@
 // same call, so the argument above (clear what the previous call read, drift of at most one
 // call) holds unchanged: a rank finishes call k only after every rank has sent its call-k rows.
 //
-// After the slots each workspace holds a handshake area: one 16-byte word per sender, which the
+// Call headers: after the slots, each workspace holds one 16-byte header per slot and sender. In
+// every call a sender stores its call's signature (session.h: op, dtype, epilogue, tokens, width,
+// and a hash of the rest) into its header of the call's slot in every other rank, and clears the
+// previous call's headers with the slot. Receivers compare each sender's header with their own
+// call's: ranks that disagree on a call, or a peer that rejected its call (its header says so and
+// it sends no packets), are detected instead of read as data (session.h says how).
+//
+// After the headers each workspace holds a handshake area: one 16-byte word per sender, which the
 // team's creation handshake stores into and polls (proof that peer stores arrive).
 //
 // WARNING: the sentinel is a bit pattern. Compare bits, never values: -0.0f == 0.0f is true and a
@@ -78,8 +85,16 @@ TPF_HOST_DEVICE size_t packet_offset(uint32_t slot, int sender, int world_size,
   return (size_t(slot) * size_t(world_size) + size_t(sender)) * packet_bytes;
 }
 
+// Byte offset, inside any rank's workspace, of sender `sender`'s call header in `slot`.
+TPF_HOST_DEVICE size_t header_offset(uint32_t slot, int sender, int world_size,
+                                     size_t packet_bytes) {
+  return size_t(kSlots) * size_t(world_size) * packet_bytes +
+         (size_t(slot) * size_t(world_size) + size_t(sender)) * 16;
+}
+
+// Bytes of the slots and the call headers.
 TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
-  return size_t(kSlots) * size_t(world_size) * packet_bytes;
+  return size_t(kSlots) * size_t(world_size) * (packet_bytes + 16);
 }
 
 // Bytes of the handshake area after the slots.

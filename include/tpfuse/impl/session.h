@@ -12,6 +12,22 @@
 // On the GPU a participant is a block: each arrives right after its send, then the grid triggers
 // its dependents (launch_dependents) and clears. On the CPU the rank's one thread is the only
 // participant and arrives last, after its receive: the next call reads the state only then.
+//
+// Call headers (lamport.h): before its packets a sender stores its call's signature into its
+// header of the slot in every other rank. A receiver compares each sender's header with its own
+// signature where that costs nothing on the path every good call takes: a poll that is still
+// waiting after a while (the slow path) reads the sender's header, and one thread per sender
+// checks the header once the call's data is in. What a mismatch means:
+//   * the sender rejected its call (kRejected, and it sends no packets): every wait on it ends at
+//     once with NaN, the call completes on every rank (every sender still makes every store its
+//     signature implies), the rejecting rank drains what its peers sent it (absent calls below),
+//     and the team goes on. The peers' outputs of that call are NaN; Team::check reports it.
+//   * the ranks disagree (another op, algorithm, dtype, epilogue, token count, width or eps):
+//     waits end with NaN, the team is failed (what each sender stored no longer matches what
+//     each receiver will clear), and every rank's error names the peer and the field.
+// A rank with nothing to send (a rejected call, or a call of zero tokens) still takes its turn
+// as an absent call: its header, a drain of what its peers' signatures say they sent it, and the
+// slot's clear and advance, so that its slot index stays in step with its peers'.
 #pragma once
 
 #include <cstddef>
@@ -23,14 +39,94 @@
 
 namespace tpfuse::impl {
 
+// What a call's header says (CallSignature::word[0] bits 0-3).
+enum class CallOp : uint32_t {
+  kRowsOneShot = 1,  // allreduce_add_rmsnorm / allreduce, one-shot
+  kRowsTwoShot = 2,  // the same, two-shot
+  kQkOneShot = 3,    // allreduce_qk_rmsnorm, fused
+  kRejected = 4,     // the sender rejected its call and sends no packets
+};
+
+// A call's signature, as its header carries it. No word is ever the sentinel (each < 2^31):
+//   word[0]: op | dtype << 4 | residual << 8 | norm << 9 | norm weight << 10 | rope << 12
+//   word[1]: tokens
+//   word[2]: width (hidden for rows, q_global_size for the QK norm)
+//   word[3]: a 31-bit hash of the words above and of what else the ranks must agree on (eps;
+//            for the QK norm k_global_size, head_dim, rotary_dim, kv_replicas)
+// A receiver's cheap check compares word[3] alone; on a difference the whole header names the
+// field.
+struct CallSignature {
+  Vec16 header;
+  TPF_HOST_DEVICE CallOp op() const { return CallOp(header.word[0] & 0xfu); }
+  TPF_HOST_DEVICE uint32_t dtype_code() const { return (header.word[0] >> 4) & 0xfu; }
+  TPF_HOST_DEVICE int64_t tokens() const { return int64_t(header.word[1]); }
+  TPF_HOST_DEVICE int64_t width() const { return int64_t(header.word[2]); }
+  TPF_HOST_DEVICE uint32_t hash() const { return header.word[3]; }
+};
+
+TPF_HOST_DEVICE uint32_t signature_hash(uint32_t seed, uint32_t word) {
+  // FNV-1a over the word's bytes.
+  uint32_t h = seed;
+  for (int i = 0; i < 4; ++i) h = (h ^ ((word >> (8 * i)) & 0xffu)) * 16777619u;
+  return h;
+}
+
+// Builds a signature from its first three words and the extra words only the hash covers.
+TPF_HOST_DEVICE CallSignature make_signature(uint32_t word0, uint32_t tokens, uint32_t width,
+                                             const uint32_t* extra, int extra_count) {
+  CallSignature s;
+  s.header.word[0] = word0 & 0x7fffffffu;
+  s.header.word[1] = tokens & 0x7fffffffu;
+  s.header.word[2] = width & 0x7fffffffu;
+  uint32_t h = 2166136261u;
+  for (int i = 0; i < 3; ++i) h = signature_hash(h, s.header.word[i]);
+  for (int i = 0; i < extra_count; ++i) h = signature_hash(h, extra[i]);
+  s.header.word[3] = h & 0x7fffffffu;
+  return s;
+}
+
+TPF_HOST_DEVICE CallSignature rejected_signature() {
+  return make_signature(uint32_t(CallOp::kRejected), 0, 0, nullptr, 0);
+}
+
+TPF_HOST_DEVICE bool same_signature(const Vec16& a, const Vec16& b) {
+  return a.word[0] == b.word[0] && a.word[1] == b.word[1] && a.word[2] == b.word[2] &&
+         a.word[3] == b.word[3];
+}
+
+// A NaN in every element of any dtype (fp32 0x7fc07fc0; bf16 and fp16 0x7fc0): what a wait
+// that ended without data (a timeout, a rejected or disagreeing peer) returns, so that the
+// call's outputs are NaN rather than plausible numbers.
+TPF_HOST_DEVICE Vec16 nan_vector() {
+  return Vec16{{0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u}};
+}
+
+// How a call failed, as a rank's ErrorRecord keeps it.
+enum class CallError : uint32_t {
+  kNone = 0,
+  kTimeout = 1,       // a peer's packet did not arrive in time (fails the team)
+  kMismatch = 2,      // a peer's call disagrees with this rank's (fails the team)
+  kPeerRejected = 3,  // a peer rejected its call; this call's outputs are NaN (the team goes on)
+};
+
+// One rank's errors, in host memory (mapped into the device on CUDA) so the host reads them
+// without synchronizing with a running kernel. The first failure wins and stays; the per-call
+// error is the first since Team::check last reported one.
+struct alignas(16) ErrorRecord {
+  uint32_t failure;       // CallError that failed the team, or kNone
+  uint32_t failure_peer;  // the rank it names
+  uint32_t call_error;    // kPeerRejected since the last check, or kNone
+  uint32_t call_peer;
+  Vec16 mine;    // kMismatch: this rank's signature
+  Vec16 theirs;  // kMismatch: the peer's
+};
+
 // The team side of every call: what a rank needs to exchange packets with its peers.
 struct Exchange {
   // Base of every rank's workspace as this rank addresses it (peer pointers over NVLink on CUDA).
   char* workspace[kMaxWorldSize];
   ControlBlock* control;  // this rank's control block
-  // Nonzero once a call of this rank timed out: 1 + the rank that did not arrive. Readable by the
-  // host without synchronizing (host memory, mapped into the device on CUDA).
-  uint32_t* error_flag;
+  ErrorRecord* errors;    // this rank's error record (host memory; mapped on CUDA)
   int rank;
   int world_size;
   size_t packet_bytes;  // one sender region of one slot
@@ -75,6 +171,17 @@ class LamportSession {
     return x.workspace[x.rank] + region_offset(x, sender);
   }
 
+  // Where this rank's header goes in any receiver's workspace, and where sender `sender`'s header
+  // arrives in this rank's.
+  TPF_HOST_DEVICE size_t header_send_offset(const Exchange& x) const {
+    return header_offset(state_.slot, x.rank, world(x), x.packet_bytes);
+  }
+  TPF_HOST_DEVICE const Vec16* received_header(const Exchange& x, int sender) const {
+    return reinterpret_cast<const Vec16*>(
+        x.workspace[x.rank] + header_offset(state_.slot, sender, world(x), x.packet_bytes));
+  }
+  TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
+
   // Step 3, by one thread of each participant after it has read the call state (`control`:
   // this rank's control block, Exchange::control).
   TPF_HOST_DEVICE void arrive(ControlBlock* control, uint64_t bytes_per_sender) const {
@@ -100,6 +207,13 @@ class LamportSession {
       Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x.packet_bytes) +
                            (i - region * per_sender));
     }
+    // The previous call's headers (every sender's but this rank's, which nobody sends it).
+    for (int64_t sender = Coop::thread_index(); sender < world(x); sender += stride) {
+      if (sender == x.rank) continue;
+      Coop::store_sentinel(reinterpret_cast<Vec16*>(
+          x.workspace[x.rank] +
+          header_offset(slot_to_clear(state_.slot), int(sender), world(x), x.packet_bytes)));
+    }
   }
 
  private:
@@ -110,5 +224,45 @@ class LamportSession {
 
   CallState state_;
 };
+
+// Where a sender's packets to `receiver` lie in the receiver's sender region of a slot, as its
+// signature implies (every sender makes every store its signature implies, even when its waits
+// ended without data): up to two byte ranges. What an absent call drains, and clears later.
+struct SenderExtents {
+  uint64_t begin[2];
+  uint64_t end[2];
+  uint64_t clear_bytes;  // what the receiver's next call but one clears of this region
+};
+
+TPF_HOST_DEVICE size_t signature_element_bytes(const CallSignature& s) {
+  return s.dtype_code() == 0 ? 4 : 2;  // DType: float32 = 0, float16 = 1, bfloat16 = 2
+}
+
+TPF_HOST_DEVICE SenderExtents sender_extents(const CallSignature& s, int sender, int receiver,
+                                             int world_size) {
+  SenderExtents e{{0, 0}, {0, 0}, 0};
+  const uint64_t row_bytes = uint64_t(s.width()) * signature_element_bytes(s);
+  switch (s.op()) {
+    case CallOp::kRowsOneShot:
+      e.end[0] = uint64_t(s.tokens()) * row_bytes;
+      e.clear_bytes = e.end[0];
+      break;
+    case CallOp::kRowsTwoShot: {
+      const TwoShotLayout layout(s.tokens(), world_size);
+      e.end[0] = uint64_t(layout.count(receiver)) * row_bytes;  // scatter: the receiver's rows
+      e.begin[1] = uint64_t(layout.per_rank) * row_bytes;       // gather: the sender's own rows
+      e.end[1] = e.begin[1] + uint64_t(layout.count(sender)) * row_bytes;
+      e.clear_bytes = layout.sender_bytes(row_bytes);
+      break;
+    }
+    case CallOp::kQkOneShot:
+      e.end[0] = uint64_t(s.tokens()) * 16;
+      e.clear_bytes = e.end[0];
+      break;
+    default:  // kRejected: nothing
+      break;
+  }
+  return e;
+}
 
 }  // namespace tpfuse::impl

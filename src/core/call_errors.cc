@@ -1,0 +1,105 @@
+// What Team::check (and the CPU backend, at once) says of a rank's error record (session.h): the
+// peer, and for ranks that disagree the first field that differs with both values.
+#include <sstream>
+#include <string>
+
+#include "core/error.h"
+#include "core/team_state.h"
+#include "tpfuse/impl/session.h"
+
+namespace tpfuse::impl {
+namespace {
+
+const char* op_name(uint32_t op) {
+  switch (CallOp(op)) {
+    case CallOp::kRowsOneShot:
+      return "one-shot all-reduce (+ add + RMSNorm)";
+    case CallOp::kRowsTwoShot:
+      return "two-shot all-reduce (+ add + RMSNorm)";
+    case CallOp::kQkOneShot:
+      return "fused QK norm";
+    case CallOp::kRejected:
+      return "a rejected call";
+  }
+  return "an unknown op";
+}
+
+const char* dtype_code_name(uint32_t code) {
+  return code <= 2 ? dtype_name(DType(int(code))) : "unknown";
+}
+
+// The first field of word[0] that differs, written as "<field>: <here> here, <there> on rank P".
+void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer) {
+  const auto field = [](uint32_t word, int shift, uint32_t mask) { return (word >> shift) & mask; };
+  if (field(mine, 0, 0xf) != field(theirs, 0, 0xf)) {
+    out << "the op / algorithm: " << op_name(field(mine, 0, 0xf)) << " here, "
+        << op_name(field(theirs, 0, 0xf)) << " on rank " << peer;
+  } else if (field(mine, 4, 0xf) != field(theirs, 4, 0xf)) {
+    out << "dtype: " << dtype_code_name(field(mine, 4, 0xf)) << " here, "
+        << dtype_code_name(field(theirs, 4, 0xf)) << " on rank " << peer;
+  } else if (field(mine, 8, 1) != field(theirs, 8, 1)) {
+    out << "residual: " << (field(mine, 8, 1) ? "given" : "none") << " here, "
+        << (field(theirs, 8, 1) ? "given" : "none") << " on rank " << peer;
+  } else if (field(mine, 9, 1) != field(theirs, 9, 1)) {
+    out << "the epilogue: " << (field(mine, 9, 1) ? "add + RMSNorm" : "a plain sum") << " here, "
+        << (field(theirs, 9, 1) ? "add + RMSNorm" : "a plain sum") << " on rank " << peer;
+  } else if (field(mine, 10, 3) != field(theirs, 10, 3)) {
+    out << "norm_weight: " << norm_weight_name(NormWeight(int(field(mine, 10, 3)))) << " here, "
+        << norm_weight_name(NormWeight(int(field(theirs, 10, 3)))) << " on rank " << peer;
+  } else {
+    out << "rope: style " << field(mine, 12, 3) << " here, " << field(theirs, 12, 3) << " on rank "
+        << peer;
+  }
+}
+
+std::string describe_mismatch(const ErrorRecord& e, int rank) {
+  const int peer = int(e.failure_peer);
+  std::ostringstream out;
+  out << "rank " << rank << ": rank " << peer << "'s call disagrees with this rank's, in ";
+  // Tokens first: the likeliest disagreement, and with no tokens an empty batch's null row
+  // pointers also read as another epilogue.
+  if (e.mine.word[1] != e.theirs.word[1]) {
+    out << "tokens: " << e.mine.word[1] << " here, " << e.theirs.word[1] << " on rank " << peer;
+  } else if (e.mine.word[0] != e.theirs.word[0]) {
+    describe_word0(out, e.mine.word[0], e.theirs.word[0], peer);
+  } else if (e.mine.word[2] != e.theirs.word[2]) {
+    out << "the width (hidden, or q_global_size): " << e.mine.word[2] << " here, "
+        << e.theirs.word[2] << " on rank " << peer;
+  } else {
+    out << "eps (or, for the QK norm, k_global_size, head_dim, rotary_dim or kv_replicas)";
+  }
+  out << ". Every rank must make the same call (op, algorithm, dtype, epilogue, tokens, widths, "
+         "eps); that call's outputs are NaN and the team is failed: create a new one";
+  return out.str();
+}
+
+}  // namespace
+
+std::string describe_failure(const ErrorRecord& e, int rank, int device) {
+  const uint32_t failure = __atomic_load_n(&e.failure, __ATOMIC_ACQUIRE);
+  if (CallError(failure) == CallError::kMismatch) return describe_mismatch(e, rank);
+  std::ostringstream out;
+  out << "rank " << rank;
+  if (device >= 0) out << " (device " << device << ")";
+  out << ": a call timed out waiting for rank " << e.failure_peer
+      << " (it did not make the call: it may have died or hung, or, with an in-process team, "
+         "been driven from the thread that waited; each rank needs its own thread); the team is "
+         "failed, create a new one";
+  return out.str();
+}
+
+void report_call_errors(const TeamState& team) {
+  ErrorRecord& e = *team.exchange.errors;
+  if (__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE) != 0) {
+    TPF_FAIL(describe_failure(e, team.rank(), team.device));
+  }
+  if (__atomic_load_n(&e.call_error, __ATOMIC_ACQUIRE) != 0) {
+    const uint32_t peer = e.call_peer;
+    __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once: the team goes on
+    TPF_FAIL("rank " << team.rank() << ": rank " << peer
+                     << " rejected its part of a call (its own error says why); this rank's "
+                        "outputs of that call are NaN, and the team goes on");
+  }
+}
+
+}  // namespace tpfuse::impl
