@@ -29,6 +29,7 @@ from .ops import (  # noqa: E402  (the library must be loaded first)
     allreduce_add_rmsnorm,
     allreduce_add_rmsnorm_,
     allreduce_qk_rmsnorm,
+    reject_call,
 )
 from .team import Team, cpu_team, cuda_team  # noqa: E402
 
@@ -45,4 +46,5 @@ __all__ = [
     "cpu_team",
     "cuda_team",
     "library_path",
+    "reject_call",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Optional, Tuple, Union
 
 import torch
@@ -26,13 +27,32 @@ class RopeStyle(enum.IntEnum):
     INTERLEAVED = 2
 
 
-def _handle(team: Union[Team, int]) -> int:
-    return team.handle if isinstance(team, Team) else int(team)
+def _handle(team: Union[Team, int], op: str) -> int:
+    if isinstance(team, Team):
+        if team.blocking_ranks_in_process and threading.active_count() == 1:
+            # The call would wait for peers that no other thread can call: say so at once.
+            raise RuntimeError(
+                f"tpfuse.{op}: rank {team.rank} belongs to an in-process CPU team of "
+                f"{team.world_size} ranks, and this process runs one thread: a call blocks until "
+                "every rank has made it, so each rank needs its own thread (threading.Thread)"
+            )
+        return team.handle
+    return int(team)
 
 
-def _algorithm(algorithm: Union[str, int]) -> int:
+def _reject(handle: int) -> None:
+    # This rank will not make the call: its turn without data, so that its peers' call ends at
+    # once with an error naming it and the team goes on (tpfuse::reject_call).
+    try:
+        torch.ops.tpfuse.reject_call(handle)
+    except RuntimeError:
+        pass  # already reporting the rejection; the peers then time out instead
+
+
+def _algorithm(algorithm: Union[str, int], handle: int) -> int:
     if isinstance(algorithm, str):
         if algorithm not in ALGORITHMS:
+            _reject(handle)
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
         return ALGORITHMS[algorithm]
     return int(algorithm)
@@ -49,8 +69,9 @@ def allreduce_add_rmsnorm(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(norm_out, residual_out): residual_out = all-reduce(input) + residual (fp32, rank order,
     one rounding), norm_out = rmsnorm(residual_out) * weight (or * (1 + weight), norm_weight)."""
+    handle = _handle(team, "allreduce_add_rmsnorm")
     return torch.ops.tpfuse.allreduce_add_rmsnorm(
-        _handle(team), input, residual, weight, eps, _algorithm(algorithm), int(norm_weight)
+        handle, input, residual, weight, eps, _algorithm(algorithm, handle), int(norm_weight)
     )
 
 
@@ -65,13 +86,15 @@ def allreduce_add_rmsnorm_(
 ) -> None:
     """In place, as engines' fused add + RMSNorm: residual <- all-reduce(input) + residual,
     input <- rmsnorm(residual) * weight (or * (1 + weight), norm_weight)."""
+    handle = _handle(team, "allreduce_add_rmsnorm_")
     if not isinstance(residual, torch.Tensor):
+        _reject(handle)
         raise TypeError(
             "tpfuse.allreduce_add_rmsnorm_: residual must be a tensor (the in-place op writes the "
             "sum into it); without a residual use allreduce_add_rmsnorm"
         )
     torch.ops.tpfuse.allreduce_add_rmsnorm_(
-        _handle(team), input, residual, weight, eps, _algorithm(algorithm), int(norm_weight)
+        handle, input, residual, weight, eps, _algorithm(algorithm, handle), int(norm_weight)
     )
 
 
@@ -79,7 +102,8 @@ def allreduce(
     team: Union[Team, int], input: torch.Tensor, algorithm: Union[str, int] = "auto"
 ) -> torch.Tensor:
     """The sum over ranks (fp32, rank order, one rounding)."""
-    return torch.ops.tpfuse.allreduce(_handle(team), input, _algorithm(algorithm))
+    handle = _handle(team, "allreduce")
+    return torch.ops.tpfuse.allreduce(handle, input, _algorithm(algorithm, handle))
 
 
 def allreduce_qk_rmsnorm(
@@ -102,8 +126,9 @@ def allreduce_qk_rmsnorm(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, k) of this rank's packed qkv, normalized by the global per-token RMS of q and of k,
     then optionally rotated (cos_sin_cache: fp32 [max_position, rotary_dim], cos then sin)."""
+    handle = _handle(team, "allreduce_qk_rmsnorm")
     return torch.ops.tpfuse.allreduce_qk_rmsnorm(
-        _handle(team),
+        handle,
         qkv,
         q_weight,
         k_weight,
@@ -118,5 +143,12 @@ def allreduce_qk_rmsnorm(
         head_dim,
         rotary_dim,
         int(rope_style),
-        _algorithm(algorithm),
+        _algorithm(algorithm, handle),
     )
+
+
+def reject_call(team: Union[Team, int]) -> None:
+    """This rank will not make the fused call its peers are making (its own checks failed, say):
+    it takes its turn without data, so their call ends at once with an error naming this rank
+    (NaN outputs) and the team goes on. The ops do this themselves when they reject a call."""
+    torch.ops.tpfuse.reject_call(_handle(team, "reject_call"))

@@ -22,6 +22,9 @@ class Team:
         self.device = device
         self.peer_memory = peer_memory
         self.fallback_reason = fallback_reason
+        # True for the ranks of an in-process CPU team: their calls block until every rank has
+        # made its call, so each rank needs a thread of its own.
+        self.blocking_ranks_in_process = False
 
     @classmethod
     def from_group(
@@ -96,10 +99,13 @@ def cpu_team(
     peer_timeout_seconds: float = 10.0,
 ) -> List[Team]:
     """A CPU-backend team: one handle per rank; each rank's ops must run on its own thread."""
-    return [
+    team = [
         Team(h)
         for h in torch.ops.tpfuse.create_cpu_team(world_size, packet_bytes, peer_timeout_seconds)
     ]
+    for rank in team:
+        rank.blocking_ranks_in_process = world_size > 1
+    return team
 
 
 def cuda_team(

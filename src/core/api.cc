@@ -127,6 +127,7 @@ std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int w
   state->exchange.rank = rank;
   state->exchange.world_size = world_size;
   state->exchange.packet_bytes = options.packet_bytes;
+  state->exchange.header_area = header_offset(0, 0, world_size, options.packet_bytes);
   state->exchange.timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
   state->device_name = device_name;
   state->selection = selection_for(device_name, world_size);
@@ -176,6 +177,7 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
   call.rotary_dim = args.rotary_dim;
   call.positions = args.positions;
   call.cos_sin_cache = args.cos_sin_cache;
+  call.max_position = args.max_position;
   return call;
 }
 
@@ -277,6 +279,7 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
   TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(call.sums) % 8 == 0, op, "sums must be 8-byte aligned");
   const BackendOps& ops = require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);
+  if (backend == Backend::kCpu && pass == QkPass::kNormFromSums) validate_positions_on_host(args, op);
   if (args.tokens == 0) return;
   ops.qk_local(call, args.dtype, pass, stream);
 }
@@ -328,6 +331,7 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
     impl::validate_qk_args(args, op);
     algorithm = impl::choose_qk_algorithm(state, args, op);
     impl::validate_qk_rmsnorm(state, args, algorithm, op);
+    if (state.ops->kind() == Backend::kCpu) impl::validate_positions_on_host(args, op);
     state.ops->validate_call(&state,
                              {{"qkv", args.qkv},
                               {"q_out", args.q_out},

@@ -93,7 +93,16 @@ void report_call_errors(const TeamState& team) {
   if (__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE) != 0) {
     TPF_FAIL(describe_failure(e, team.rank(), team.device));
   }
-  if (__atomic_load_n(&e.call_error, __ATOMIC_ACQUIRE) != 0) {
+  const uint32_t call_error = __atomic_load_n(&e.call_error, __ATOMIC_ACQUIRE);
+  if (CallError(call_error) == CallError::kBadPosition) {
+    const int64_t token = e.position_token, position = e.position, rows = e.max_position;
+    __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once
+    TPF_FAIL("rank " << team.rank() << ": allreduce_qk_rmsnorm: positions[" << token << "] = "
+                     << position << " is outside [0, max_position = " << rows
+                     << "); that token's q and k outputs are NaN (the first such token of a call "
+                        "since the last check)");
+  }
+  if (call_error != 0) {
     const uint32_t peer = e.call_peer;
     __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once: the team goes on
     TPF_FAIL("rank " << team.rank() << ": rank " << peer

@@ -49,6 +49,7 @@ struct QkCall {
   int64_t rotary_dim;
   const int64_t* positions;
   const float* cos_sin_cache;
+  int64_t max_position;
   float* sums;  // local halves only: [tokens, 2] written (kSums) or read (kNormFromSums)
 };
 

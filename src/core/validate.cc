@@ -136,6 +136,15 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
   }
 }
 
+void validate_positions_on_host(const QkNormArgs& a, const char* op) {
+  if (a.rope == RopeStyle::kNone || a.positions == nullptr) return;
+  for (int64_t token = 0; token < a.tokens; ++token) {
+    TPF_CHECK_ARG(a.positions[token] >= 0 && a.positions[token] < a.max_position, op,
+                  "positions[" << token << "] = " << a.positions[token]
+                               << " is outside [0, max_position = " << a.max_position << ")");
+  }
+}
+
 Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& a, const char* op) {
   TPF_CHECK_ARG(is_known(a.algorithm), op,
                 "algorithm " << int(a.algorithm) << " is not an Algorithm");

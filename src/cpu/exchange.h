@@ -66,7 +66,8 @@ struct CpuCall {
   uint32_t rejected = 0;  // bit per peer
 
   const char* header_of(int sender) const {
-    return x.workspace[x.rank] + header_offset(session_slot, sender, x.world_size, x.packet_bytes);
+    return x.workspace[x.rank] + x.header_area +
+           (size_t(session_slot) * size_t(x.world_size) + size_t(sender)) * 16;
   }
   // A peer's header once in: records a rejection, or a disagreement (which fails the team).
   // Returns true when the sender's packets are not this call's.

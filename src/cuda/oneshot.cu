@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
   const int rank = p.exchange.rank;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
+  __shared__ EarlyHeaders early_headers;
 
   grid_dependency_wait();
 
@@ -88,9 +89,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
     }
   }
 
-  // 3. Arrival; block 0 loads its peers' header hashes (checked after the receive).
+  // 3. Arrival; block 0 fetches its peers' headers (checked after the receive).
   if (threadIdx.x == 0) session.arrive(control, uint64_t(p.tokens * p.hidden) * sizeof(T));
-  const uint32_t early_hash = early_header_hash(session, p.exchange, p.signature);
+  fetch_headers(session, p.exchange, early_headers);
 
   // 4.
   launch_dependents();
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                             NoSend{});
   }
-  check_header(session, p.exchange, p.signature, early_hash);
+  check_header(session, p.exchange, p.signature, early_headers);
 }
 
 template <typename Tag>

@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   __shared__ float2 shared_sums[33];
   __shared__ float shared_scale[2];
   __shared__ CallState shared_state;
+  __shared__ EarlyHeaders early_headers;
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
   // the qkv row and in the normalized row (q then k) is the same: c * kElements.
@@ -167,11 +168,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   }
   Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
   load_values(blockIdx.x, values);
+  // A position outside [0, max_position) reads the cache's row 0 instead (-1 below marks it) and
+  // the token's outputs are NaN, recorded for Team::check: the host cannot see positions inside
+  // a CUDA graph, and nothing outside the cache is ever read.
+  const auto bounded_position = [&](int64_t position) {
+    return position >= 0 && position < p.max_position ? position : int64_t(-1);
+  };
   int64_t first_position = 0;
-  if constexpr (kRopeRegisters) first_position = p.positions[blockIdx.x];
+  if constexpr (kRopeRegisters) first_position = bounded_position(p.positions[blockIdx.x]);
   // The first token's cos/sin as soon as its position is in: their latency then overlaps the
   // block sum, the send and the packets' flight.
-  load_rope_registers(first_position);
+  load_rope_registers(first_position < 0 ? 0 : first_position);
 
   // 2. Send. Thread 0 sends, from the slot it read itself; a failed team sends nothing, so its
   // peers time out too. kLoadAhead: the next token's vectors are loaded before this one's are
@@ -235,8 +242,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if (kFused && shared_state.failed != 0) return;
   const GpuSession<kWorldSize> session(kFused ? shared_state : CallState{0, 0, 0});
   const int world = session.world(p.exchange);
-  const uint32_t early_hash =
-      kFused ? early_header_hash(session, p.exchange, p.signature) : p.signature.hash();
+  if constexpr (kFused) fetch_headers(session, p.exchange, early_headers);
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t c = vector_of(i);
@@ -260,11 +266,16 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if (!first_token_held) load_values(blockIdx.x, values);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     take_token(token);  // with kLoadAhead, the next one's load while this one is finished
-    if (token != blockIdx.x) load_rope_registers(kRopeRegisters ? p.positions[token] : 0);
+    int64_t position = 0;
+    if constexpr (kRopeRegisters) {
+      position = token == blockIdx.x ? first_position : bounded_position(p.positions[token]);
+      if (token != blockIdx.x) load_rope_registers(position < 0 ? 0 : position);
+    }
     if constexpr (kRopeShared) {
       // The position's cos/sin row, loaded while the packets are in flight; the barrier after
       // the poll publishes it.
-      const float* row_cos_sin = p.cos_sin_cache + p.positions[token] * p.rotary_dim;
+      position = bounded_position(p.positions[token]);
+      const float* row_cos_sin = p.cos_sin_cache + (position < 0 ? 0 : position) * p.rotary_dim;
       for (int64_t e = threadIdx.x; e < p.rotary_dim; e += blockDim.x) cos_sin[e] = row_cos_sin[e];
     }
     if (kPass == QkPass::kNormFromSums && threadIdx.x == 0) {
@@ -353,11 +364,20 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
         }
       }
     }
+    if (position < 0 && threadIdx.x == 0 && p.exchange.errors != nullptr) {
+      if (atomicCAS_system(&p.exchange.errors->call_error, 0u,
+                           uint32_t(CallError::kBadPosition)) == 0u) {
+        p.exchange.errors->position_token = token;
+        p.exchange.errors->position = p.positions[token];
+        p.exchange.errors->max_position = p.max_position;
+        __threadfence_system();
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int64_t c = vector_of(i);
       if (c >= vectors) continue;
-      const Vec16 out = pack<T>(lanes[i]);
+      const Vec16 out = position < 0 ? nan_vector() : pack<T>(lanes[i]);
       if (c < q_vectors) {
         store_vector(p.q_out, (token * p.q_out_stride) / kElements + c, out);
       } else {
@@ -366,7 +386,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     }
     __syncthreads();  // shared_scale and the normalized row are reused by the next token
   }
-  if constexpr (kFused) check_header(session, p.exchange, p.signature, early_hash);
+  if constexpr (kFused) check_header(session, p.exchange, p.signature, early_headers);
 }
 
 // Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, world);
   __shared__ float shared_sums[33];
+  __shared__ EarlyHeaders early_headers;
 
   grid_dependency_wait();
 
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
 
   // 3.
   if (threadIdx.x == 0) session.arrive(control, layout.sender_bytes(row_bytes));
-  const uint32_t early_hash = early_header_hash(session, p.exchange, p.signature);
+  fetch_headers(session, p.exchange, early_headers);
   launch_dependents();
   session.clear_previous(p.exchange);
 
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     finish_row<T, kVecsPerThread, typename Epilogue::Gathered>(acc, no_residual, gamma, p, token,
                                                                vectors, shared_sums, NoSend{});
   }
-  check_header(session, p.exchange, p.signature, early_hash);
+  check_header(session, p.exchange, p.signature, early_headers);
 }
 
 template <typename Tag>

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <mutex>
 #include <string>
@@ -140,37 +141,74 @@ Algorithm algorithm_of(int64_t value, const char* op) {
 
 // --- the fused ops: real kernels ---
 
-// Checks an add-RMSNorm call's tensors and runs it into the given outputs.
-void run_add_rmsnorm(int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
-                     const at::Tensor& gamma, double eps, int64_t algorithm, int64_t norm_weight,
-                     const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op) {
-  const Team team = Registry::instance().get(team_handle, op);
-  TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
-              input.sizes());
-  const DType dtype = dtype_of(input, op, "input");
-  check_like(input, input, op, "input");
-  check_like(gamma, input, op, "gamma");
-  TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
-              ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
-  if (residual != nullptr) {
-    check_like(*residual, input, op, "residual");
-    TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
-                input.sizes(), ", got ", residual->sizes());
+// The stream a rank's turn goes on when the call's own tensors cannot say (they were what was
+// wrong): torch's current stream of the team's device, none on the CPU.
+cudaStream_t turn_stream(const Team& team) {
+#if TPFUSE_TORCH_CUDA
+  if (team.backend() == Backend::kCuda) {
+    return c10::cuda::getCurrentCUDAStream(team.device()).stream();
   }
+#endif
+  return nullptr;
+}
+
+// Runs a fused op's torch-side checks (`checks`, which fill in the call); if they reject the
+// call, this rank still takes its turn (tpfuse::reject_call), as tpfuse's own checks do, so its
+// peers' call ends at once with an error naming it and the team goes on. Then `call`.
+template <typename Checks, typename Call>
+void checked_call(const Team& team, Checks&& checks, Call&& call) {
+  try {
+    checks();
+  } catch (...) {
+    try {
+      on_device(team, [&] { reject_call(team, turn_stream(team)); });
+    } catch (...) {
+      // Already reporting the rejection; the peers then time out instead.
+    }
+    throw;
+  }
+  on_device(team, call);
+}
+
+// Checks an add-RMSNorm call's tensors and runs it into the given outputs.
+void run_add_rmsnorm(
+    int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
+    const at::Tensor& gamma, double eps, int64_t algorithm, int64_t norm_weight,
+    const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op,
+    const std::function<void()>& op_checks = [] {}) {
+  const Team team = Registry::instance().get(team_handle, op);
   AddRmsNormArgs args;
-  args.input = input.data_ptr();
-  args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
-  args.gamma = gamma.data_ptr();
-  args.residual_out = residual_out.data_ptr();
-  args.norm_out = norm_out.data_ptr();
-  args.tokens = input.size(0);
-  args.hidden = input.size(1);
-  args.dtype = dtype;
-  args.eps = float(eps);
-  args.algorithm = algorithm_of(algorithm, op);
-  args.norm_weight = norm_weight_of(norm_weight, op);
-  const cudaStream_t stream = stream_for(team, input, op);
-  on_device(team, [&] { allreduce_add_rmsnorm(team, args, stream); });
+  cudaStream_t stream = nullptr;
+  checked_call(
+      team,
+      [&] {
+        op_checks();
+        TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
+                    input.sizes());
+        const DType dtype = dtype_of(input, op, "input");
+        check_like(input, input, op, "input");
+        check_like(gamma, input, op, "gamma");
+        TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
+                    ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
+        if (residual != nullptr) {
+          check_like(*residual, input, op, "residual");
+          TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
+                      input.sizes(), ", got ", residual->sizes());
+        }
+        args.input = input.data_ptr();
+        args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
+        args.gamma = gamma.data_ptr();
+        args.residual_out = residual_out.data_ptr();
+        args.norm_out = norm_out.data_ptr();
+        args.tokens = input.size(0);
+        args.hidden = input.size(1);
+        args.dtype = dtype;
+        args.eps = float(eps);
+        args.algorithm = algorithm_of(algorithm, op);
+        args.norm_weight = norm_weight_of(norm_weight, op);
+        stream = stream_for(team, input, op);
+      },
+      [&] { allreduce_add_rmsnorm(team, args, stream); });
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
@@ -189,25 +227,35 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
                             const at::Tensor& gamma, double eps, int64_t algorithm,
                             int64_t norm_weight) {
-  TORCH_CHECK(!input.is_same(residual),
-              "tpfuse::allreduce_add_rmsnorm_: input and residual are "
-              "the same tensor; the in-place op writes the norm into input and the sum into "
-              "residual, so they must be two tensors");
   run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, norm_weight, input,
-                  residual, "allreduce_add_rmsnorm_");
+                  residual, "allreduce_add_rmsnorm_", [&] {
+                    TORCH_CHECK(!input.is_same(residual),
+                                "tpfuse::allreduce_add_rmsnorm_: input and residual are the same "
+                                "tensor; the in-place op writes the norm into input and the sum "
+                                "into residual, so they must be two tensors");
+                  });
 }
 
 at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {
   const char* op = "allreduce";
   const Team team = Registry::instance().get(team_handle, op);
-  const DType dtype = dtype_of(input, op, "input");
-  check_like(input, input, op, "input");
-  at::Tensor out = at::empty_like(input);
-  const cudaStream_t stream = stream_for(team, input, op);
-  on_device(team, [&] {
-    tpfuse::allreduce(team, input.data_ptr(), out.data_ptr(), input.numel(), dtype, stream,
-                      algorithm_of(algorithm, op));
-  });
+  at::Tensor out;
+  DType dtype = DType::kBFloat16;
+  Algorithm chosen = Algorithm::kAuto;
+  cudaStream_t stream = nullptr;
+  checked_call(
+      team,
+      [&] {
+        dtype = dtype_of(input, op, "input");
+        check_like(input, input, op, "input");
+        chosen = algorithm_of(algorithm, op);
+        stream = stream_for(team, input, op);
+        out = at::empty_like(input);
+      },
+      [&] {
+        tpfuse::allreduce(team, input.data_ptr(), out.data_ptr(), input.numel(), dtype, stream,
+                          chosen);
+      });
   return out;
 }
 
@@ -219,64 +267,71 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
     int64_t head_dim, int64_t rotary_dim, int64_t rope_style, int64_t algorithm) {
   const char* op = "allreduce_qk_rmsnorm";
   const Team team = Registry::instance().get(team_handle, op);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size, "tpfuse::", op,
-              ": qkv must be [tokens, q_size + 2 * kv_size = ", q_size + 2 * kv_size, "], got ",
-              qkv.sizes());
-  const DType dtype = dtype_of(qkv, op, "qkv");
-  check_like(qkv, qkv, op, "qkv");
-  check_like(q_gamma, qkv, op, "q_gamma");
-  check_like(k_gamma, qkv, op, "k_gamma");
-  TORCH_CHECK(q_gamma.dim() == 1 && q_gamma.size(0) == q_size, "tpfuse::", op,
-              ": q_gamma must be [q_size = ", q_size, "] (this rank's slice), got ",
-              q_gamma.sizes());
-  TORCH_CHECK(k_gamma.dim() == 1 && k_gamma.size(0) == kv_size, "tpfuse::", op,
-              ": k_gamma must be [kv_size = ", kv_size, "] (this rank's slice), got ",
-              k_gamma.sizes());
-  TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
-              ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
-  at::Tensor q = at::empty({qkv.size(0), q_size}, qkv.options());
-  at::Tensor k = at::empty({qkv.size(0), kv_size}, qkv.options());
+  at::Tensor q, k;
   QkNormArgs args;
-  args.qkv = qkv.data_ptr();
-  args.q_out = q.data_ptr();
-  args.k_out = k.data_ptr();
-  args.q_gamma = q_gamma.data_ptr();
-  args.k_gamma = k_gamma.data_ptr();
-  args.tokens = qkv.size(0);
-  args.q_size = q_size;
-  args.kv_size = kv_size;
-  args.q_global_size = q_global_size;
-  args.k_global_size = k_global_size;
-  args.kv_replicas = int(kv_replicas);
-  args.dtype = dtype;
-  args.eps = float(eps);
-  args.algorithm = algorithm_of(algorithm, op);
-  args.rope = RopeStyle(rope_style);
-  if (args.rope != RopeStyle::kNone) {
-    TORCH_CHECK(positions && cos_sin_cache, "tpfuse::", op,
-                ": rope_style is set but positions or cos_sin_cache is missing");
-    TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
-                    positions->numel() == qkv.size(0),
-                "tpfuse::", op, ": positions must be contiguous int64 [tokens]");
-    TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat, "tpfuse::", op,
-                ": cos_sin_cache must be float32 (cos and sin in fp32), got ",
-                cos_sin_cache->scalar_type());
-    TORCH_CHECK(cos_sin_cache->device() == qkv.device(), "tpfuse::", op,
-                ": cos_sin_cache must be on ", qkv.device(), ", got ", cos_sin_cache->device());
-    TORCH_CHECK(positions->device() == qkv.device(), "tpfuse::", op, ": positions must be on ",
-                qkv.device(), ", got ", positions->device());
-    TORCH_CHECK(cos_sin_cache->dim() == 2 && cos_sin_cache->size(1) == rotary_dim &&
-                    cos_sin_cache->is_contiguous(),
-                "tpfuse::", op, ": cos_sin_cache must be contiguous float32 [max_position, ",
-                rotary_dim, "], got ", cos_sin_cache->sizes());
-    args.head_dim = head_dim;
-    args.rotary_dim = rotary_dim;
-    args.positions = positions->data_ptr<int64_t>();
-    args.cos_sin_cache = cos_sin_cache->data_ptr<float>();
-    args.max_position = cos_sin_cache->size(0);
-  }
-  const cudaStream_t stream = stream_for(team, qkv, op);
-  on_device(team, [&] { allreduce_qk_rmsnorm(team, args, stream); });
+  cudaStream_t stream = nullptr;
+  checked_call(
+      team,
+      [&] {
+        TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == q_size + 2 * kv_size, "tpfuse::", op,
+                    ": qkv must be [tokens, q_size + 2 * kv_size = ", q_size + 2 * kv_size,
+                    "], got ", qkv.sizes());
+        const DType dtype = dtype_of(qkv, op, "qkv");
+        check_like(qkv, qkv, op, "qkv");
+        check_like(q_gamma, qkv, op, "q_gamma");
+        check_like(k_gamma, qkv, op, "k_gamma");
+        TORCH_CHECK(q_gamma.dim() == 1 && q_gamma.size(0) == q_size, "tpfuse::", op,
+                    ": q_gamma must be [q_size = ", q_size, "] (this rank's slice), got ",
+                    q_gamma.sizes());
+        TORCH_CHECK(k_gamma.dim() == 1 && k_gamma.size(0) == kv_size, "tpfuse::", op,
+                    ": k_gamma must be [kv_size = ", kv_size, "] (this rank's slice), got ",
+                    k_gamma.sizes());
+        TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
+                    ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
+        q = at::empty({qkv.size(0), q_size}, qkv.options());
+        k = at::empty({qkv.size(0), kv_size}, qkv.options());
+        args.qkv = qkv.data_ptr();
+        args.q_out = q.data_ptr();
+        args.k_out = k.data_ptr();
+        args.q_gamma = q_gamma.data_ptr();
+        args.k_gamma = k_gamma.data_ptr();
+        args.tokens = qkv.size(0);
+        args.q_size = q_size;
+        args.kv_size = kv_size;
+        args.q_global_size = q_global_size;
+        args.k_global_size = k_global_size;
+        args.kv_replicas = int(kv_replicas);
+        args.dtype = dtype;
+        args.eps = float(eps);
+        args.algorithm = algorithm_of(algorithm, op);
+        args.rope = RopeStyle(rope_style);
+        if (args.rope != RopeStyle::kNone) {
+          TORCH_CHECK(positions && cos_sin_cache, "tpfuse::", op,
+                      ": rope_style is set but positions or cos_sin_cache is missing");
+          TORCH_CHECK(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+                          positions->numel() == qkv.size(0),
+                      "tpfuse::", op, ": positions must be contiguous int64 [tokens]");
+          TORCH_CHECK(cos_sin_cache->scalar_type() == at::kFloat, "tpfuse::", op,
+                      ": cos_sin_cache must be float32 (cos and sin in fp32), got ",
+                      cos_sin_cache->scalar_type());
+          TORCH_CHECK(cos_sin_cache->device() == qkv.device(), "tpfuse::", op,
+                      ": cos_sin_cache must be on ", qkv.device(), ", got ",
+                      cos_sin_cache->device());
+          TORCH_CHECK(positions->device() == qkv.device(), "tpfuse::", op,
+                      ": positions must be on ", qkv.device(), ", got ", positions->device());
+          TORCH_CHECK(cos_sin_cache->dim() == 2 && cos_sin_cache->size(1) == rotary_dim &&
+                          cos_sin_cache->is_contiguous(),
+                      "tpfuse::", op, ": cos_sin_cache must be contiguous float32 [max_position, ",
+                      rotary_dim, "], got ", cos_sin_cache->sizes());
+          args.head_dim = head_dim;
+          args.rotary_dim = rotary_dim;
+          args.positions = positions->data_ptr<int64_t>();
+          args.cos_sin_cache = cos_sin_cache->data_ptr<float>();
+          args.max_position = cos_sin_cache->size(0);
+        }
+        stream = stream_for(team, qkv, op);
+      },
+      [&] { allreduce_qk_rmsnorm(team, args, stream); });
   return {q, k};
 }
 
@@ -370,6 +425,12 @@ int64_t create_nccl_team_op(const at::Tensor& unique_id, int64_t rank, int64_t w
                        team_options(packet_bytes, peer_timeout_seconds)));
 }
 
+// This rank will not make the fused call its peers are making (tpfuse.reject_call).
+void reject_call_op(int64_t handle) {
+  const Team team = Registry::instance().get(handle, "reject_call");
+  on_device(team, [&] { reject_call(team, turn_stream(team)); });
+}
+
 void release_team_op(int64_t handle) {
   Registry::instance().release(handle);
 }
@@ -417,6 +478,7 @@ TORCH_LIBRARY(tpfuse, m) {
       "float peer_timeout_seconds) -> int",
       &create_nccl_team_op);
   m.def("release_team(int team) -> ()", &release_team_op);
+  m.def("reject_call(int team) -> ()", &reject_call_op);
   m.def("team_info(int team) -> (int, int, int, str, str)", &team_info_op);
   m.def("choose(int team, int tokens, int hidden, ScalarType dtype) -> str", &choose_op);
   m.def("version() -> str", &version_op);

@@ -247,6 +247,21 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
         a.positions = nullptr;
       },
       "positions is null");
+  // Positions outside the cache: in host memory they are checked before any work.
+  positions[1] = 4;
+  rejected(with_rope, "positions[1] = 4 is outside [0, max_position = 4)");
+  positions[1] = -1;
+  rejected(with_rope, "positions[1] = -1 is outside [0, max_position = 4)");
+  positions[1] = 0;
+  {
+    QkNormArgs a = good;
+    with_rope(a);
+    positions[0] = 7;
+    alignas(8) static float sums[4];
+    expect_error_naming([&] { qk_rmsnorm_from_sums(Backend::kCpu, a, sums); },
+                        "positions[0] = 7 is outside [0, max_position = 4)");
+    positions[0] = 0;
+  }
   rejected(
       [&](auto& a) {
         with_rope(a);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cuda_harness.h"
@@ -95,6 +96,73 @@ TEST_P(SharedDevice, MisuseReportedWhereItBelongsAndTheNextCallCorrect) {
   EXPECT_GT(counts.disagreeing, 10);
   std::printf("%d ranks: %d good, %d rejected, %d disagreeing calls\n", GetParam(), counts.good,
               counts.rejected, counts.disagreeing);
+}
+
+// A position outside the cos/sin cache (which the host cannot see inside a CUDA graph): that
+// token's q and k outputs are NaN on every rank, nothing outside the cache is read, the others
+// are untouched, and Team::check names the token, once.
+TEST_P(SharedDevice, QkPositionOutsideTheCacheGivesNaNAndIsReported) {
+  const int world = GetParam();
+  constexpr int64_t kTokens = 3, kQ = 128, kKv = 64, kRow = kQ + 2 * kKv, kMaxPosition = 8;
+  std::vector<uint16_t> host_qkv(kTokens * kRow), ones(kQ, 0x3f80);  // bf16 1.0
+  for (size_t i = 0; i < host_qkv.size(); ++i) host_qkv[i] = uint16_t(0x3f00 + i % 64);
+  std::vector<float> cache(kMaxPosition * 64, 0.5f);
+  const int64_t positions[kTokens] = {2, kMaxPosition + 1, 5};
+  std::vector<void*> qkv(world), q_out(world), k_out(world);
+  std::vector<QkNormArgs> args(world);
+  for (int r = 0; r < world; ++r) {
+    qkv[r] = harness_->allocate(r, host_qkv.size() * 2);
+    q_out[r] = harness_->allocate(r, kTokens * kQ * 2);
+    k_out[r] = harness_->allocate(r, kTokens * kKv * 2);
+    void* gamma = harness_->allocate(r, kQ * 2);
+    void* device_positions = harness_->allocate(r, sizeof(positions));
+    void* device_cache = harness_->allocate(r, cache.size() * 4);
+    harness_->upload(r, qkv[r], host_qkv.data(), host_qkv.size() * 2);
+    harness_->upload(r, gamma, ones.data(), kQ * 2);
+    harness_->upload(r, device_positions, positions, sizeof(positions));
+    harness_->upload(r, device_cache, cache.data(), cache.size() * 4);
+    QkNormArgs& a = args[r];
+    a.qkv = qkv[r];
+    a.q_out = q_out[r];
+    a.k_out = k_out[r];
+    a.q_gamma = gamma;
+    a.k_gamma = gamma;
+    a.tokens = kTokens;
+    a.q_size = kQ;
+    a.kv_size = kKv;
+    a.q_global_size = kQ * world;
+    a.k_global_size = kKv * world;
+    a.rope = RopeStyle::kNeox;
+    a.head_dim = 64;
+    a.rotary_dim = 64;
+    a.positions = static_cast<const int64_t*>(device_positions);
+    a.cos_sin_cache = static_cast<const float*>(device_cache);
+    a.max_position = kMaxPosition;
+  }
+  harness_->enqueue([&](int rank, cudaStream_t stream) {
+    allreduce_qk_rmsnorm(harness_->team()[rank], args[rank], stream);
+  });
+  for (int r = 0; r < world; ++r) {
+    try {
+      harness_->team()[r].check();
+      ADD_FAILURE() << "rank " << r << ": the bad position was not reported";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("positions[1] = 9 is outside [0, max_position = 8)"),
+                std::string::npos)
+          << error.what();
+    }
+    EXPECT_NO_THROW(harness_->team()[r].check()) << "reported once";
+    std::vector<uint16_t> q(kTokens * kQ);
+    harness_->download(r, q.data(), q_out[r], q.size() * 2);
+    for (int64_t t = 0; t < kTokens; ++t) {
+      for (int64_t i = 0; i < kQ; ++i) {
+        const uint16_t bits = q[t * kQ + i];
+        const bool nan = (bits & 0x7f80) == 0x7f80 && (bits & 0x7f) != 0;
+        EXPECT_EQ(nan, t == 1) << "rank " << r << " token " << t << " element " << i;
+        if (nan != (t == 1)) return;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, SharedDevice, ::testing::Values(2, 4));

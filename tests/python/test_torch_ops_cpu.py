@@ -147,9 +147,10 @@ class AddRmsNorm(unittest.TestCase):
             )
             for rank in range(2):
                 self.assertTrue(torch.equal(buffers[rank][0], plain[rank][0]))
+        (solo,) = tpfuse.cpu_team(1)
         with self.assertRaisesRegex(RuntimeError, "norm_weight"):
-            tpfuse.allreduce_add_rmsnorm(teams[0], inputs[0], None, weight, 1e-6, "auto", 2)
-        for team in teams:
+            tpfuse.allreduce_add_rmsnorm(solo, inputs[0], None, weight, 1e-6, "auto", 2)
+        for team in teams + [solo]:
             team.close()
 
     def test_allreduce_sums_in_rank_order(self):
@@ -197,6 +198,92 @@ class AddRmsNorm(unittest.TestCase):
         team.close()
         with self.assertRaisesRegex(RuntimeError, "not a live team"):
             tpfuse.allreduce_add_rmsnorm(handle, x, None, weight, 1e-6)
+
+
+class RanksThatGoWrong(unittest.TestCase):
+    """A rank that rejects its call (in torch's checks, tpfuse's, or Python's) still takes its
+    turn: its peers' call ends at once with an error naming it, and the team goes on. Ranks that
+    disagree are told the peer and the field. One thread driving two ranks is told at once."""
+
+    def setUp(self):
+        self.teams = tpfuse.cpu_team(2, peer_timeout_seconds=5.0)
+        self.x = [torch.randn(2, 64).to(torch.bfloat16) for _ in range(2)]
+        self.weight = torch.ones(64, dtype=torch.bfloat16)
+
+    def tearDown(self):
+        for team in self.teams:
+            team.close()
+
+    def both(self, call_rank0):
+        """Rank 0 runs call_rank0, rank 1 a good call; returns the two errors (or None)."""
+        errors = [None, None]
+
+        def run(rank):
+            try:
+                if rank == 0:
+                    call_rank0()
+                else:
+                    tpfuse.allreduce_add_rmsnorm(self.teams[1], self.x[1], None, self.weight, 1e-6)
+            except (RuntimeError, TypeError, ValueError) as error:
+                errors[rank] = error
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return errors
+
+    def expect_team_goes_on(self):
+        out = on_every_rank(
+            self.teams,
+            lambda r, t: tpfuse.allreduce_add_rmsnorm(t, self.x[r], None, self.weight, 1e-6),
+        )
+        self.assertTrue(torch.equal(out[0][1], out[1][1]))
+        torch.testing.assert_close(
+            out[0][1].double(), (self.x[0].double() + self.x[1].double()), atol=3e-2, rtol=3e-2
+        )
+
+    def test_a_rejected_call_ends_the_peers_call_and_the_team_goes_on(self):
+        team, x, weight = self.teams[0], self.x[0], self.weight
+        cases = [
+            # torch-side checks
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6), "gamma"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x.t(), None, weight, 1e-6), "contiguous"),
+            # tpfuse's own checks
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, -1.0), "eps"),
+            # Python's
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, 1e-6, "fast"), "algorithm"),
+            (lambda: tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6),
+             "residual must be a tensor"),
+            # and a runtime's own reason
+            (lambda: tpfuse.reject_call(team), None),
+        ]
+        for call, name in cases:
+            errors = self.both(call)
+            if name is None:
+                self.assertIsNone(errors[0])
+            else:
+                self.assertIsNotNone(errors[0], name)
+                self.assertIn(name, str(errors[0]))
+            self.assertIsInstance(errors[1], RuntimeError, name)
+            self.assertIn("rank 0 rejected its part of this call", str(errors[1]))
+            self.expect_team_goes_on()
+
+    def test_ranks_that_disagree_are_told_the_peer_and_the_field(self):
+        longer = torch.randn(3, 64).to(torch.bfloat16)
+        errors = self.both(
+            lambda: tpfuse.allreduce_add_rmsnorm(self.teams[0], longer, None, self.weight, 1e-6)
+        )
+        self.assertIn("rank 1's call disagrees with this rank's, in tokens: 3 here, 2 on rank 1",
+                      str(errors[0]))
+        self.assertIn("rank 0's call disagrees with this rank's, in tokens: 2 here, 3 on rank 0",
+                      str(errors[1]))
+
+    def test_one_thread_for_two_ranks_is_told_at_once(self):
+        self.assertEqual(threading.active_count(), 1)
+        with self.assertRaisesRegex(RuntimeError, "each rank needs its own thread"):
+            tpfuse.allreduce_add_rmsnorm(self.teams[0], self.x[0], None, self.weight, 1e-6)
 
 
 class QkRmsNorm(unittest.TestCase):

@@ -107,6 +107,7 @@ enum class CallError : uint32_t {
   kTimeout = 1,       // a peer's packet did not arrive in time (fails the team)
   kMismatch = 2,      // a peer's call disagrees with this rank's (fails the team)
   kPeerRejected = 3,  // a peer rejected its call; this call's outputs are NaN (the team goes on)
+  kBadPosition = 4,   // a QK-norm position outside the cos/sin cache; that token's outputs are NaN
 };
 
 // One rank's errors, in host memory (mapped into the device on CUDA) so the host reads them
@@ -119,6 +120,9 @@ struct alignas(16) ErrorRecord {
   uint32_t call_peer;
   Vec16 mine;    // kMismatch: this rank's signature
   Vec16 theirs;  // kMismatch: the peer's
+  int64_t position_token;  // kBadPosition: the token, its position, and the cache's rows
+  int64_t position;
+  int64_t max_position;
 };
 
 // The team side of every call: what a rank needs to exchange packets with its peers.
@@ -130,6 +134,7 @@ struct Exchange {
   int rank;
   int world_size;
   size_t packet_bytes;  // one sender region of one slot
+  size_t header_area;   // header_offset(0, 0, world_size, packet_bytes): where the headers start
   uint64_t timeout_ns;  // 0: wait forever
 };
 
@@ -174,11 +179,10 @@ class LamportSession {
   // Where this rank's header goes in any receiver's workspace, and where sender `sender`'s header
   // arrives in this rank's.
   TPF_HOST_DEVICE size_t header_send_offset(const Exchange& x) const {
-    return header_offset(state_.slot, x.rank, world(x), x.packet_bytes);
+    return header_of(x, state_.slot, x.rank);
   }
   TPF_HOST_DEVICE const Vec16* received_header(const Exchange& x, int sender) const {
-    return reinterpret_cast<const Vec16*>(
-        x.workspace[x.rank] + header_offset(state_.slot, sender, world(x), x.packet_bytes));
+    return reinterpret_cast<const Vec16*>(x.workspace[x.rank] + header_of(x, state_.slot, sender));
   }
   TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
 
@@ -211,12 +215,16 @@ class LamportSession {
     for (int64_t sender = Coop::thread_index(); sender < world(x); sender += stride) {
       if (sender == x.rank) continue;
       Coop::store_sentinel(reinterpret_cast<Vec16*>(
-          x.workspace[x.rank] +
-          header_offset(slot_to_clear(state_.slot), int(sender), world(x), x.packet_bytes)));
+          x.workspace[x.rank] + header_of(x, slot_to_clear(state_.slot), int(sender))));
     }
   }
 
  private:
+  // header_offset (lamport.h) from the exchange's precomputed header area: fewer registers in
+  // the polls' slow path, which reads headers.
+  TPF_HOST_DEVICE static size_t header_of(const Exchange& x, uint32_t slot, int sender) {
+    return x.header_area + (size_t(slot) * size_t(world(x)) + size_t(sender)) * 16;
+  }
   // Byte offset, inside any rank's workspace, of sender `sender`'s region of this call's slot.
   TPF_HOST_DEVICE size_t region_offset(const Exchange& x, int sender) const {
     return packet_offset(state_.slot, sender, world(x), x.packet_bytes);

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CPU backend under the sanitizers, bounded for CI (2 cores): the C++ suites built with
+# AddressSanitizer + UndefinedBehaviorSanitizer, a ThreadSanitizer build of the suites whose ranks
+# are threads (the protocol's atomics and the rejected / disagreeing calls), and the libFuzzer
+# target over argument validation of both fused ops for FUZZ_SECONDS (default 60). Exits non-zero
+# if any of them finds something.
+#   bash scripts/sanitize-cpu.sh            # all three
+#   STEPS="asan fuzz" bash scripts/sanitize-cpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${STEPS:-"asan tsan fuzz"}
+common=(-G Ninja -DTPFUSE_CUDA=OFF -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_BENCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo)
+status=0
+
+if [[ " $STEPS " == *" asan "* ]]; then
+  echo "=== address + undefined"
+  cmake -S . -B build/asan "${common[@]}" -DTPFUSE_SANITIZE=address,undefined >/dev/null
+  cmake --build build/asan
+  # The heaviest soaks run in the plain build; here every suite, their long cases filtered.
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build/asan -L cpu -j 2 --timeout 600 --output-on-failure \
+    -E "ThousandsOfConsecutiveCalls" || status=1
+fi
+
+if [[ " $STEPS " == *" tsan "* ]]; then
+  echo "=== thread"
+  cmake -S . -B build/tsan "${common[@]}" -DTPFUSE_SANITIZE=thread >/dev/null
+  cmake --build build/tsan
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+    ctest --test-dir build/tsan -L cpu -j 2 --timeout 900 --output-on-failure \
+    -R "Arguments|CpuMisuse.*world(2|3|4)|CpuAlgorithms.*(world2|world3)|CpuQkNorm.*world2|CpuQkNormArguments" ||
+    status=1
+fi
+
+if [[ " $STEPS " == *" fuzz "* ]]; then
+  echo "=== libFuzzer: argument validation, ${FUZZ_SECONDS:-60} s"
+  CXX=${FUZZ_CXX:-clang++} cmake -S . -B build/fuzz "${common[@]}" -DTPFUSE_BUILD_TESTS=OFF \
+    -DTPFUSE_SANITIZE=address,undefined -DTPFUSE_FUZZ=ON >/dev/null
+  cmake --build build/fuzz --target fuzz_arguments
+  mkdir -p build/fuzz/corpus
+  build/fuzz/fuzz_arguments -max_total_time="${FUZZ_SECONDS:-60}" -print_final_stats=1 \
+    -artifact_prefix=build/fuzz/ build/fuzz/corpus 2>&1 | tail -15 || status=1
+fi
+
+exit $status
