@@ -279,7 +279,8 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
   TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(call.sums) % 8 == 0, op, "sums must be 8-byte aligned");
   const BackendOps& ops = require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);
-  if (backend == Backend::kCpu && pass == QkPass::kNormFromSums) validate_positions_on_host(args, op);
+  if (backend == Backend::kCpu && pass == QkPass::kNormFromSums)
+    validate_positions_on_host(args, op);
   if (args.tokens == 0) return;
   ops.qk_local(call, args.dtype, pass, stream);
 }

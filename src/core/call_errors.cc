@@ -97,8 +97,8 @@ void report_call_errors(const TeamState& team) {
   if (CallError(call_error) == CallError::kBadPosition) {
     const int64_t token = e.position_token, position = e.position, rows = e.max_position;
     __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once
-    TPF_FAIL("rank " << team.rank() << ": allreduce_qk_rmsnorm: positions[" << token << "] = "
-                     << position << " is outside [0, max_position = " << rows
+    TPF_FAIL("rank " << team.rank() << ": allreduce_qk_rmsnorm: positions[" << token
+                     << "] = " << position << " is outside [0, max_position = " << rows
                      << "); that token's q and k outputs are NaN (the first such token of a call "
                         "since the last check)");
   }

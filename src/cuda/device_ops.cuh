@@ -199,10 +199,10 @@ __device__ __forceinline__ void fetch_headers(const Session& session, const Exch
   if (blockIdx.x != 0 || sender >= session.world(x) || sender == x.rank) return;
 #if __CUDA_ARCH__ >= 800
   const uint32_t destination = uint32_t(__cvta_generic_to_shared(&early.header[sender]));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n\tcp.async.commit_group;" ::"r"(
-                   destination),
-               "l"(session.received_header(x, sender))
-               : "memory");
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;\n\tcp.async.commit_group;" ::"r"(destination),
+      "l"(session.received_header(x, sender))
+      : "memory");
 #else
   early.header[sender] = load_packet(session.received_header(x, sender));
 #endif

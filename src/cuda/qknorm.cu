@@ -365,8 +365,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       }
     }
     if (position < 0 && threadIdx.x == 0 && p.exchange.errors != nullptr) {
-      if (atomicCAS_system(&p.exchange.errors->call_error, 0u,
-                           uint32_t(CallError::kBadPosition)) == 0u) {
+      if (atomicCAS_system(&p.exchange.errors->call_error, 0u, uint32_t(CallError::kBadPosition)) ==
+          0u) {
         p.exchange.errors->position_token = token;
         p.exchange.errors->position = p.positions[token];
         p.exchange.errors->max_position = p.max_position;

@@ -40,7 +40,8 @@ inline std::vector<BadArgument> bad_arguments() {
        [](AddRmsNormArgs& a) { a.input = static_cast<const char*>(a.input) + 2; }},
       {"hidden must be a positive multiple of 8", [](AddRmsNormArgs& a) { a.hidden += 4; }},
       {"eps", [](AddRmsNormArgs& a) { a.eps = -1.0f; }},
-      {"norm_out overlaps gamma", [](AddRmsNormArgs& a) { a.norm_out = const_cast<void*>(a.gamma); }},
+      {"norm_out overlaps gamma",
+       [](AddRmsNormArgs& a) { a.norm_out = const_cast<void*>(a.gamma); }},
       {"dtype 7", [](AddRmsNormArgs& a) { a.dtype = DType(7); }},
       {"algorithm 9 is not an Algorithm", [](AddRmsNormArgs& a) { a.algorithm = Algorithm(9); }},
   };
@@ -59,27 +60,33 @@ inline std::vector<Disagreement> disagreements() {
          a.tokens = a.tokens < max_tokens ? a.tokens + 1 : a.tokens - 1;
          return a.tokens > 0;
        }},
-      {"width", [](AddRmsNormArgs& a, int64_t) {
+      {"width",
+       [](AddRmsNormArgs& a, int64_t) {
          a.hidden += 8;
          return true;
        }},
-      {"eps", [](AddRmsNormArgs& a, int64_t) {
+      {"eps",
+       [](AddRmsNormArgs& a, int64_t) {
          a.eps *= 2.0f;
          return true;
        }},
-      {"norm_weight", [](AddRmsNormArgs& a, int64_t) {
+      {"norm_weight",
+       [](AddRmsNormArgs& a, int64_t) {
          a.norm_weight = NormWeight::kOnePlusGamma;
          return true;
        }},
-      {"residual", [](AddRmsNormArgs& a, int64_t) {
+      {"residual",
+       [](AddRmsNormArgs& a, int64_t) {
          a.residual = nullptr;
          return true;
        }},
-      {"dtype", [](AddRmsNormArgs& a, int64_t) {
+      {"dtype",
+       [](AddRmsNormArgs& a, int64_t) {
          a.dtype = a.dtype == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
          return true;
        }},
-      {"the op / algorithm", [](AddRmsNormArgs& a, int64_t) {
+      {"the op / algorithm",
+       [](AddRmsNormArgs& a, int64_t) {
          a.algorithm =
              a.algorithm == Algorithm::kOneShot ? Algorithm::kTwoShot : Algorithm::kOneShot;
          return true;
@@ -202,9 +209,8 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
     } else if (disagrees) {
       ++counts.disagreeing;
       for (int r = 0; r < world; ++r) {
-        EXPECT_TRUE(contains(errors[r], "disagrees with this rank's")) << what << ": rank " << r
-                                                                       << " got '" << errors[r]
-                                                                       << "'";
+        EXPECT_TRUE(contains(errors[r], "disagrees with this rank's"))
+            << what << ": rank " << r << " got '" << errors[r] << "'";
         if (r != faulty) {
           EXPECT_TRUE(contains(errors[r], "rank " + std::to_string(faulty) + "'s call"))
               << what << ": rank " << r << " got '" << errors[r] << "'";

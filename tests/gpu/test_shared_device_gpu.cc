@@ -88,10 +88,9 @@ TEST_P(SharedDevice, MisuseReportedWhereItBelongsAndTheNextCallCorrect) {
   TeamOptions options;
   options.peer_timeout_seconds = 5.0;
   harness_->team() = impl::create_in_process_cuda_team(devices, options, true);
-  const MisuseCounts counts =
-      check_misuse(*harness_, seed(1010), 300, std::min<int64_t>(8, max_tokens()), [&] {
-        return impl::create_in_process_cuda_team(devices, options, /*shared_devices=*/true);
-      });
+  const MisuseCounts counts = check_misuse(
+      *harness_, seed(1010), 300, std::min<int64_t>(8, max_tokens()),
+      [&] { return impl::create_in_process_cuda_team(devices, options, /*shared_devices=*/true); });
   EXPECT_GT(counts.rejected, 10);
   EXPECT_GT(counts.disagreeing, 10);
   std::printf("%d ranks: %d good, %d rejected, %d disagreeing calls\n", GetParam(), counts.good,

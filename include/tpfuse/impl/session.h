@@ -118,8 +118,8 @@ struct alignas(16) ErrorRecord {
   uint32_t failure_peer;  // the rank it names
   uint32_t call_error;    // kPeerRejected since the last check, or kNone
   uint32_t call_peer;
-  Vec16 mine;    // kMismatch: this rank's signature
-  Vec16 theirs;  // kMismatch: the peer's
+  Vec16 mine;              // kMismatch: this rank's signature
+  Vec16 theirs;            // kMismatch: the peer's
   int64_t position_token;  // kBadPosition: the token, its position, and the cache's rows
   int64_t position;
   int64_t max_position;
