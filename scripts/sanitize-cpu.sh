@@ -37,9 +37,10 @@ if [[ " $STEPS " == *" fuzz "* ]]; then
   CXX=${FUZZ_CXX:-clang++} cmake -S . -B build/fuzz "${common[@]}" -DTPFUSE_BUILD_TESTS=OFF \
     -DTPFUSE_SANITIZE=address,undefined -DTPFUSE_FUZZ=ON >/dev/null
   cmake --build build/fuzz --target fuzz_arguments
+  # New inputs go to build/fuzz/corpus; tests/fuzz/regressions holds inputs that once failed.
   mkdir -p build/fuzz/corpus
   build/fuzz/fuzz_arguments -max_total_time="${FUZZ_SECONDS:-60}" -print_final_stats=1 \
-    -artifact_prefix=build/fuzz/ build/fuzz/corpus 2>&1 | tail -15 || status=1
+    -artifact_prefix=build/fuzz/ build/fuzz/corpus tests/fuzz/regressions 2>&1 | tail -15 || status=1
 fi
 
 exit $status

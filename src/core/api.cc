@@ -159,8 +159,11 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
   call.qkv = args.qkv;
   call.q_out = args.q_out != nullptr ? args.q_out : const_cast<void*>(args.qkv);
   call.q_out_stride = args.q_out != nullptr ? args.q_size : row;
-  call.k_out = args.k_out != nullptr
-                   ? args.k_out
+  // In place, k is qkv's k slice; a null qkv (rejected later, by validation) stays null: no
+  // pointer arithmetic on it (found by tests/fuzz/fuzz_arguments.cc under UBSan).
+  call.k_out = args.k_out != nullptr ? args.k_out
+               : args.qkv == nullptr
+                   ? nullptr
                    : static_cast<char*>(const_cast<void*>(args.qkv)) + args.q_size * element;
   call.k_out_stride = args.k_out != nullptr ? args.kv_size : row;
   call.q_gamma = args.q_gamma;
