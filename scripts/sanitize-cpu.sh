@@ -39,7 +39,7 @@ if [[ " $STEPS " == *" fuzz "* ]]; then
   cmake --build build/fuzz --target fuzz_arguments
   # New inputs go to build/fuzz/corpus; tests/fuzz/regressions holds inputs that once failed.
   mkdir -p build/fuzz/corpus
-  build/fuzz/fuzz_arguments -max_total_time="${FUZZ_SECONDS:-60}" -print_final_stats=1 \
+  build/fuzz/fuzz_arguments -max_total_time="${FUZZ_SECONDS:-60}" -seed="${FUZZ_SEED:-1}" -print_final_stats=1 \
     -artifact_prefix=build/fuzz/ build/fuzz/corpus tests/fuzz/regressions 2>&1 | tail -15 || status=1
 fi
 
