@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "mixed_properties.h"
 #include "qknorm_properties.h"
@@ -297,6 +300,95 @@ TEST(CpuQkNormArguments, EachBadArgumentIsNamed) {
   bad.q_size = 12;
   expect_error_naming([&] { qk_rmsnorm_from_sums(Backend::kCpu, bad, sums); },
                       "qk_rmsnorm_from_sums: q_size must be a positive multiple of 8");
+}
+
+// Ranks whose QK-norm calls disagree (or one rank making another op) are told the peer and the
+// field, and the team is failed; no rank waits out the timeout.
+TEST(CpuQkNormDisagreement, EveryRankNamesThePeerAndTheField) {
+  struct Case {
+    const char* field;
+    std::function<void(QkNormArgs&)> change;
+  };
+  const std::vector<Case> cases = {
+      {"tokens: 2 here, 1 on rank 1", [](QkNormArgs& a) { a.tokens = 1; }},
+      {"the width (hidden, or q_global_size): 512 here, 1024 on rank 1",
+       [](QkNormArgs& a) { a.q_global_size = 1024; }},
+      {"eps (or, for the QK norm, k_global_size", [](QkNormArgs& a) { a.k_global_size = 512; }},
+      {"dtype: bfloat16 here, float16 on rank 1", [](QkNormArgs& a) { a.dtype = DType::kFloat16; }},
+  };
+  alignas(16) static uint16_t qkv[2][4096], gamma[1024];
+  for (const Case& c : cases) {
+    TeamOptions options;
+    options.peer_timeout_seconds = 30.0;
+    std::vector<Team> team = create_cpu_team(2, options);
+    QkNormArgs args[2];
+    for (int r = 0; r < 2; ++r) {
+      args[r].qkv = qkv[r];
+      args[r].q_gamma = gamma;
+      args[r].k_gamma = gamma;
+      args[r].tokens = 2;
+      args[r].q_size = 256;
+      args[r].kv_size = 128;
+      args[r].q_global_size = 512;
+      args[r].k_global_size = 256;
+    }
+    c.change(args[1]);
+    std::string errors[2];
+    std::thread peer([&] {
+      try {
+        allreduce_qk_rmsnorm(team[1], args[1]);
+      } catch (const Error& error) {
+        errors[1] = error.what();
+      }
+    });
+    try {
+      allreduce_qk_rmsnorm(team[0], args[0]);
+    } catch (const Error& error) {
+      errors[0] = error.what();
+    }
+    peer.join();
+    EXPECT_NE(
+        errors[0].find(std::string("rank 1's call disagrees with this rank's, in ") + c.field),
+        std::string::npos)
+        << errors[0];
+    EXPECT_NE(errors[1].find("rank 0's call disagrees with this rank's"), std::string::npos)
+        << errors[1];
+  }
+  // Rank 1 makes an add + RMSNorm while rank 0 makes the QK norm.
+  std::vector<Team> team = create_cpu_team(2);
+  QkNormArgs qk;
+  qk.qkv = qkv[0];
+  qk.q_gamma = gamma;
+  qk.k_gamma = gamma;
+  qk.tokens = 2;
+  qk.q_size = 256;
+  qk.kv_size = 128;
+  qk.q_global_size = 512;
+  qk.k_global_size = 256;
+  AddRmsNormArgs rows;
+  rows.input = qkv[1];
+  rows.gamma = gamma;
+  rows.norm_out = qkv[1] + 2048;
+  rows.tokens = 2;
+  rows.hidden = 256;
+  std::string errors[2];
+  std::thread peer([&] {
+    try {
+      allreduce_add_rmsnorm(team[1], rows);
+    } catch (const Error& error) {
+      errors[1] = error.what();
+    }
+  });
+  try {
+    allreduce_qk_rmsnorm(team[0], qk);
+  } catch (const Error& error) {
+    errors[0] = error.what();
+  }
+  peer.join();
+  EXPECT_NE(errors[0].find("the op / algorithm: fused QK norm here, one-shot all-reduce"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("rank 0's call disagrees"), std::string::npos) << errors[1];
 }
 
 }  // namespace
