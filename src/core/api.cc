@@ -214,10 +214,20 @@ bool takes_turns(const TeamState& state) {
   return state.fused && state.world_size() > 1 && !team_failed(state);
 }
 
+// The absent call of a rejected call, where the team takes turns. A turn that cannot be queued
+// (the stream was what was wrong) is left out: the caller is already reporting the rejection,
+// and the peers then time out.
+void queue_rejected_turn(const TeamState& state, cudaStream_t stream) {
+  if (!takes_turns(state)) return;
+  try {
+    state.ops->absent_call(state, rejected_signature(), stream);
+  } catch (const Error&) {
+  }
+}
+
 // A call this rank rejected takes its turn as an absent call (session.h), so that its peers get
 // an error at once and the team goes on, unless its peers are likely on the NCCL path (the call
-// asked for it, or its own shape would go there), where a turn means nothing. A turn that cannot
-// be queued (the stream was what was wrong) is left out: the peers then time out.
+// asked for it, or its own shape would go there), where a turn means nothing.
 void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tokens, int64_t hidden,
                         DType dtype, cudaStream_t stream, const char* op) {
   if (!takes_turns(state) || requested == Algorithm::kNccl) return;
@@ -229,11 +239,7 @@ void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tok
       choose_algorithm(state, tokens, hidden, dtype, requested, op) == Algorithm::kNccl) {
     return;
   }
-  try {
-    state.ops->absent_call(state, rejected_signature(), stream);
-  } catch (const Error&) {
-    // Already reporting the rejection; the peers time out instead.
-  }
+  queue_rejected_turn(state, stream);
 }
 
 Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
@@ -347,12 +353,7 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
                              stream, op);
   } catch (const Error&) {
     // The QK norm takes the NCCL path only when asked or without peer stores.
-    if (args.algorithm != Algorithm::kNccl && impl::takes_turns(state)) {
-      try {
-        state.ops->absent_call(state, impl::rejected_signature(), stream);
-      } catch (const Error&) {
-      }
-    }
+    if (args.algorithm != Algorithm::kNccl) impl::queue_rejected_turn(state, stream);
     throw;
   }
   impl::QkCall call = impl::make_qk_call(&state, args);
