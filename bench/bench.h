@@ -49,12 +49,14 @@ constexpr int kGpuReplays = 50;
 // Graph replays before timing: the first replay uploads the graph and faults in lazy state.
 constexpr int kGpuWarmupReplays = 3;
 constexpr int64_t kGpuMaxDefaultTokens = 4096;
+constexpr int64_t kGpuMaxTokens = 32768;  // what --tokens may ask for
 constexpr int kGpuMaxDefaultWorld = 8;
 // Defaults of the CPU mode: ranks are threads over host memory, and one call at 256 tokens of
 // hidden 7168 takes about 25 ms on 2 cores; these keep the default run under half a minute there.
 constexpr int kCpuOpsPerGraph = 10;
 constexpr int kCpuReplays = 20;
 constexpr int64_t kCpuMaxDefaultTokens = 256;
+constexpr int64_t kCpuMaxTokens = 4096;
 constexpr int kCpuDefaultWorld = 2;
 
 // Buffer sets each rank rotates through within a batch, so that consecutive ops never read the
@@ -76,6 +78,7 @@ struct Record {
   std::optional<bool> pdl;            // tpfuse kernels on the GPU: programmatic dependent launch on
   std::string method;                 // empty: the run's method (RunInfo::method)
   std::string chosen;                 // tpfuse_auto: the algorithm the selector chose
+  std::string shape;                  // where `hidden` alone does not say it (the QK norm)
 };
 
 // A record of one measurement (the fields every mode sets).
@@ -228,6 +231,8 @@ struct QkShape {
   bool valid = false;
 };
 QkShape minimax_qk_shape(int world_size);
+// "MiniMax-M2 q 3072 + k 512 per rank (48 / 8 heads of 128, world 2)": the records' `shape`.
+std::string qk_shape_label(const QkShape& shape, int world_size);
 
 // The call on a packed qkv of `tokens` rows (gamma serves q and k), with RoPE when positions and
 // the cos|sin cache are given.

@@ -136,6 +136,12 @@ QkShape minimax_qk_shape(int world_size) {
   return shape;
 }
 
+std::string qk_shape_label(const QkShape& shape, int world_size) {
+  return "MiniMax-M2 q " + std::to_string(shape.q_size) + " + k " + std::to_string(shape.kv_size) +
+         " per rank (" + std::to_string(kQkHeads) + " / " + std::to_string(kQkKvHeads) +
+         " heads of " + std::to_string(kQkHeadDim) + ", world " + std::to_string(world_size) + ")";
+}
+
 QkNormArgs minimax_qk_args(const QkShape& shape, void* qkv, const void* gamma, int64_t tokens,
                            DType dtype, const int64_t* positions, const float* cos_sin) {
   QkNormArgs args;

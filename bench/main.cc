@@ -30,13 +30,16 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
 
   --hidden LIST        widths, comma-separated (default 3072,4096,7168)
   --tokens LIST        token counts, comma-separated (default powers of two 1..4096 on GPUs,
-                       1..256 on the CPU; always capped by what the one-shot workspace holds)
+                       1..256 on the CPU); at most 32768 on GPUs and 4096 on the CPU (every
+                       rank holds 16 buffers of tokens x hidden); counts the team's algorithms
+                       cannot carry are skipped with a message
   --dtype D            bf16 | fp16 | fp32 (default bf16)
-  --world N            ranks (default: every visible GPU, at most 8; CPU mode 2)
+  --world N            ranks, 1..16 (default: every visible GPU, at most 8; CPU mode 2)
   --ops-per-graph N    back-to-back ops per timed replay (default 20; CPU mode 10)
   --replays N          timed replays; the median is reported (default 50; CPU mode 20)
   --packet-mib N       one-shot workspace packet size in MiB (TeamOptions::packet_bytes, default 16)
-  --backend B          auto | cuda | cpu (default auto: cuda with two or more GPUs)
+  --backend B          auto | cuda | cpu (default auto: cuda where a GPU is found; one GPU
+                       measures the local kernels, a one-rank team and the floors)
   --processes          GPU mode: one process per GPU, teams over NCCL (create_nccl_team), as
                        serving runs; default: one process drives every GPU (create_cuda_team)
   --peer-timeout S     TeamOptions::peer_timeout_seconds (default 10; 0: unchecked polling),
@@ -75,9 +78,12 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& text
   std::stringstream stream(text);
   std::string item;
   while (std::getline(stream, item, ',')) {
-    if (!item.empty()) values.push_back(parse_integer(flag, item, minimum));
+    if (item.empty()) usage_error(flag + " has an empty item in '" + text + "'");
+    values.push_back(parse_integer(flag, item, minimum));
   }
-  if (values.empty()) usage_error(flag + " expects a comma-separated list, got '" + text + "'");
+  if (values.empty() || text.back() == ',') {
+    usage_error(flag + " expects a comma-separated list of integers, got '" + text + "'");
+  }
   return values;
 }
 
@@ -273,9 +279,12 @@ Mode choose_mode(const Options& options) {
     return Mode::kGpu;
   } else if (gpus == 0) {
     reason = "No CUDA GPUs found";
-  } else if (gpus == 1) {
-    reason = "Only one CUDA GPU found (the GPU mode needs two; --backend cuda --world 1 forces it)";
   } else {
+    if (gpus == 1 && options.world_size <= 1) {
+      std::printf(
+          "One CUDA GPU found: measuring what one GPU shows (the local kernels, the fused ops "
+          "on a one-rank team, the floors); the collectives need two or more\n");
+    }
     return Mode::kGpu;
   }
   std::printf("%s%s\n", reason.c_str(), kCpuNote);
@@ -297,6 +306,16 @@ int run(int argc, char** argv) {
   info.date = utc_time(start, "%Y-%m-%dT%H:%M:%SZ");
 
   const Mode mode = choose_mode(options);
+  // Every rank holds kBufferSets sets of four [tokens, hidden] buffers: past these counts a run
+  // is a memory test, not a benchmark (100000 tokens of hidden 7168 would take 23 GB a rank).
+  const int64_t most_tokens = mode == Mode::kGpu ? kGpuMaxTokens : kCpuMaxTokens;
+  for (const int64_t tokens : options.tokens) {
+    if (tokens > most_tokens) {
+      usage_error("--tokens " + std::to_string(tokens) + ": the " +
+                  (mode == Mode::kGpu ? "GPU" : "CPU") + " mode measures at most " +
+                  std::to_string(most_tokens) + " tokens");
+    }
+  }
   std::vector<Record> records;
   int world_size = options.world_size;
   if (mode == Mode::kGpu) {
@@ -313,6 +332,12 @@ int run(int argc, char** argv) {
     if (world_size == 0) world_size = kCpuDefaultWorld;
   }
 
+  // The QK norm's records say their shape (their `hidden` is the per-rank q + k width).
+  for (Record& record : records) {
+    if (record.op == "allreduce_qk_rmsnorm" && record.shape.empty()) {
+      record.shape = qk_shape_label(minimax_qk_shape(record.world_size), record.world_size);
+    }
+  }
   print_table(info, records);
   const std::string out_path = create_out_file(options, info, world_size, start);
   write_json(out_path, info, records);

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Plots a tpfuse-bench results file: microseconds per op against tokens, one panel per width.
 
+The row ops (all-reduce + add + RMSNorm, all-reduce, the local add + RMSNorm) share a panel per
+width; any other op (the QK norm) has its own panel per shape, titled by the op and its shape.
+
 usage: python3 bench/plot_results.py RESULTS.json [more.json ...]
 
 Writes RESULTS.png next to each results file. Each panel has one line per (op, impl) and dashed
@@ -28,6 +31,7 @@ OP_LABELS = {
     "allreduce_add_rmsnorm": "AR+add+norm",
     "allreduce": "AR",
     "add_rmsnorm": "local add+norm",
+    "allreduce_qk_rmsnorm": "QK norm",
 }
 
 
@@ -57,9 +61,20 @@ def describe_run(records):
     return ", ".join(parts)
 
 
+ROW_OPS = ("allreduce_add_rmsnorm", "allreduce", "add_rmsnorm")
+
+
+def panel_of(record):
+    """(sort key, title) of the panel a record is drawn in."""
+    if record["op"] in ROW_OPS:
+        return (0, record["hidden"], ""), f"hidden {record['hidden']}"
+    shape = record.get("shape") or f"hidden {record['hidden']}"
+    return (1, record["hidden"], record["op"]), f"{record['op']}\n{shape}"
+
+
 def plot(path, plt):
     records = load_records(path)
-    series = defaultdict(lambda: defaultdict(list))  # hidden -> (op, impl) -> [(tokens, us)]
+    series = defaultdict(lambda: defaultdict(list))  # panel -> (op, impl) -> [(tokens, us)]
     floors = {}
     for record in records:
         us = record.get("us")
@@ -69,19 +84,19 @@ def plot(path, plt):
             floors[record.get("impl")] = us
             continue
         key = (record["op"], record["impl"])
-        series[record["hidden"]][key].append((record["tokens"], us))
+        series[panel_of(record)][key].append((record["tokens"], us))
     if not series:
         print(f"{path}: no op records to plot")
         return None
 
-    hiddens = sorted(series)
-    columns = min(3, len(hiddens))
-    rows = math.ceil(len(hiddens) / columns)
+    panels = sorted(series)
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(max(7, 6 * columns), 4.5 * rows),
                                 squeeze=False)
-    for index, hidden in enumerate(hiddens):
+    for index, panel in enumerate(panels):
         axis = axes[index // columns][index % columns]
-        for (op, impl), points in sorted(series[hidden].items()):
+        for (op, impl), points in sorted(series[panel].items()):
             points.sort()
             tokens = [t for t, _ in points]
             us = [u for _, u in points]
@@ -95,10 +110,10 @@ def plot(path, plt):
         axis.set_yscale("log")
         axis.set_xlabel("tokens")
         axis.set_ylabel("µs per op")
-        axis.set_title(f"hidden {hidden}")
+        axis.set_title(panel[1], fontsize=9)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)
-    for index in range(len(hiddens), rows * columns):
+    for index in range(len(panels), rows * columns):
         axes[index // columns][index % columns].set_visible(False)
     figure.suptitle("\n".join(textwrap.wrap(describe_run(records), 110)), fontsize=9)
     figure.tight_layout()

@@ -75,28 +75,38 @@ struct Column {
   const char* impl;
 };
 
-// Table columns in display order; a column shows when its (op, impl) was measured. The speedup
-// (the baseline column over the first: the selector's choice, or the CPU backend's one-shot)
-// goes after the first three columns, where it reads as their conclusion.
+// The row ops' table (one per width): these columns in this order when measured, then any other
+// (op, impl) of these ops (a peer's impls, say) under its impl name. The speedup (the baseline
+// column over the first: the selector's choice, or the CPU backend's one-shot) goes after the
+// first three columns, where it reads as their conclusion.
 constexpr Column kColumns[] = {
     {"tpfuse", "allreduce_add_rmsnorm", "tpfuse_auto"},
     {"nccl_ar+local", "allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm"},
     {"nccl_ar", "allreduce", "nccl"},
     {"oneshot", "allreduce_add_rmsnorm", "tpfuse_oneshot"},
     {"twoshot", "allreduce_add_rmsnorm", "tpfuse_twoshot"},
+    {"tpfuse_nccl", "allreduce_add_rmsnorm", "tpfuse_nccl"},
     {"tpfuse_ar", "allreduce", "tpfuse_auto"},
     {"local_norm", "add_rmsnorm", "tpfuse_local"},
     {"tpfuse_cpu", "allreduce_add_rmsnorm", "tpfuse_oneshot_cpu"},
     {"cpu_local", "add_rmsnorm", "cpu_local_add_rmsnorm"},
 };
 constexpr int kSpeedupAfterColumn = 2;
+constexpr int kCpuFusedColumn = 8;
 
-bool in_table(const std::string& op, const std::string& impl) {
-  for (const Column& column : kColumns) {
-    if (op == column.op && impl == column.impl) return true;
-  }
-  return false;
+bool is_row_op(const std::string& op) {
+  return op == "allreduce_add_rmsnorm" || op == "allreduce" || op == "add_rmsnorm";
 }
+
+// One printed table: a group of ops at one width, its columns, and the figures.
+struct Table {
+  std::string title;
+  std::vector<std::pair<std::string, std::string>> columns;  // (op, impl) in display order
+  std::vector<std::string> labels;
+  std::map<std::pair<std::string, std::string>, std::map<int64_t, double>> us;  // by tokens
+  std::set<int64_t> tokens;
+  int world = 1;
+};
 
 std::string format_us(double us) {
   if (!std::isfinite(us)) return "-";
@@ -125,6 +135,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
     if (record.bytes) object.add_integer("bytes", *record.bytes);
     if (record.pdl) object.add("pdl", *record.pdl ? "true" : "false");
     object.add_string("chosen", record.chosen);
+    object.add_string("shape", record.shape);
     object.add_string("gpu", info.gpu);
     object.add_string("host_cpu", info.host_cpu);
     object.add_string("driver", info.driver);
@@ -145,53 +156,83 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
 }
 
 void print_table(const RunInfo& info, const std::vector<Record>& records) {
-  // (op, impl) -> hidden -> tokens -> us
-  std::map<std::pair<std::string, std::string>, std::map<int64_t, std::map<int64_t, double>>>
-      figures;
-  std::map<int64_t, std::set<int64_t>> tokens_by_hidden;
-  std::map<int64_t, int> world_by_hidden;
+  // Tables in the order their first record was measured: the row ops share one per width, every
+  // other op (the QK norm) has its own per width, labelled with its shape.
+  std::vector<std::string> order;
+  std::map<std::string, Table> tables;
   for (const Record& record : records) {
-    if (!in_table(record.op, record.impl)) continue;  // floors and the QK norm: printed below
-    figures[{record.op, record.impl}][record.hidden][record.tokens] = record.us;
-    tokens_by_hidden[record.hidden].insert(record.tokens);
-    world_by_hidden[record.hidden] = std::max(world_by_hidden[record.hidden], record.world_size);
+    if (record.op == "floor") continue;  // printed below
+    const std::string group = is_row_op(record.op) ? "rows" : record.op;
+    const std::string key = group + "/" + std::to_string(record.hidden);
+    auto [found, inserted] = tables.try_emplace(key);
+    Table& table = found->second;
+    if (inserted) {
+      order.push_back(key);
+      table.title = group == "rows"
+                        ? "hidden " + std::to_string(record.hidden)
+                        : record.op + ", " +
+                              (record.shape.empty() ? "hidden " + std::to_string(record.hidden)
+                                                    : record.shape);
+    }
+    const std::pair<std::string, std::string> column{record.op, record.impl};
+    table.us[column][record.tokens] = record.us;
+    table.tokens.insert(record.tokens);
+    table.world = std::max(table.world, record.world_size);
   }
-  auto lookup = [&](const Column& column, int64_t hidden, int64_t tokens) {
-    const auto by_impl = figures.find({column.op, column.impl});
-    if (by_impl == figures.end()) return std::nan("");
-    const auto by_hidden = by_impl->second.find(hidden);
-    if (by_hidden == by_impl->second.end()) return std::nan("");
-    const auto found = by_hidden->second.find(tokens);
-    return found == by_hidden->second.end() ? std::nan("") : found->second;
-  };
-  std::vector<const Column*> shown;
-  for (const Column& column : kColumns) {
-    if (figures.count({column.op, column.impl}) != 0) shown.push_back(&column);
+  for (auto& [key, table] : tables) {
+    // Known columns first, in kColumns' order; then the rest in the order they were measured.
+    for (const Column& known : kColumns) {
+      if (table.us.count({known.op, known.impl}) != 0) {
+        table.columns.emplace_back(known.op, known.impl);
+        table.labels.push_back(known.label);
+      }
+    }
+    for (const Record& record : records) {
+      const std::pair<std::string, std::string> column{record.op, record.impl};
+      if (table.us.count(column) == 0 ||
+          std::find(table.columns.begin(), table.columns.end(), column) != table.columns.end()) {
+        continue;
+      }
+      table.columns.push_back(column);
+      table.labels.push_back(is_row_op(record.op) && record.op != "allreduce_add_rmsnorm"
+                                 ? record.op + ":" + record.impl
+                                 : record.impl);
+    }
   }
-  // The speedup's numerator and denominator: the first two columns (GPU), or the CPU pair.
-  const Column* fused = &kColumns[0];
-  if (figures.count({fused->op, fused->impl}) == 0) fused = &kColumns[7];
-  const bool show_speedup = figures.count({fused->op, fused->impl}) != 0 &&
-                            figures.count({kColumns[1].op, kColumns[1].impl}) != 0;
 
-  for (const auto& [hidden, token_counts] : tokens_by_hidden) {
-    std::printf("\nhidden %lld, %s, world %d (%s): us per op, rank 0%s\n",
-                static_cast<long long>(hidden), info.dtype.c_str(), world_by_hidden[hidden],
-                info.backend.c_str(), show_speedup ? "; speedup = nccl_ar+local / tpfuse" : "");
+  for (const std::string& key : order) {
+    const Table& table = tables.at(key);
+    auto lookup = [&](const std::pair<std::string, std::string>& column, int64_t tokens) {
+      const auto by_column = table.us.find(column);
+      if (by_column == table.us.end()) return std::nan("");
+      const auto found = by_column->second.find(tokens);
+      return found == by_column->second.end() ? std::nan("") : found->second;
+    };
+    // The speedup: the NCCL baseline over the selector's choice (or the CPU backend's one-shot).
+    std::pair<std::string, std::string> fused{kColumns[0].op, kColumns[0].impl};
+    if (table.us.count(fused) == 0)
+      fused = {kColumns[kCpuFusedColumn].op, kColumns[kCpuFusedColumn].impl};
+    const std::pair<std::string, std::string> baseline{kColumns[1].op, kColumns[1].impl};
+    const bool show_speedup = table.us.count(fused) != 0 && table.us.count(baseline) != 0;
+    std::printf("\n%s, %s, world %d (%s): us per op, rank 0%s\n", table.title.c_str(),
+                info.dtype.c_str(), table.world, info.backend.c_str(),
+                show_speedup ? "; speedup = nccl_ar+local / tpfuse" : "");
+    size_t width = 12;
+    for (const std::string& label : table.labels) width = std::max(width, label.size());
     std::printf("%8s", "tokens");
-    for (size_t c = 0; c < shown.size(); ++c) {
-      std::printf(" %14s", shown[c]->label);
-      if (show_speedup && shown[c] == &kColumns[kSpeedupAfterColumn]) {
+    for (size_t c = 0; c < table.columns.size(); ++c) {
+      std::printf(" %*s", int(width), table.labels[c].c_str());
+      if (show_speedup && table.labels[c] == kColumns[kSpeedupAfterColumn].label) {
         std::printf(" %9s", "speedup");
       }
     }
     std::printf("\n");
-    for (const int64_t tokens : token_counts) {
+    for (const int64_t tokens : table.tokens) {
       std::printf("%8lld", static_cast<long long>(tokens));
-      for (size_t c = 0; c < shown.size(); ++c) {
-        std::printf(" %14s", format_us(lookup(*shown[c], hidden, tokens)).c_str());
-        if (show_speedup && shown[c] == &kColumns[kSpeedupAfterColumn]) {
-          const double ratio = lookup(kColumns[1], hidden, tokens) / lookup(*fused, hidden, tokens);
+      for (size_t c = 0; c < table.columns.size(); ++c) {
+        std::printf(" %*s", int(width), format_us(lookup(table.columns[c], tokens)).c_str());
+        if (show_speedup && table.labels[c] == kColumns[kSpeedupAfterColumn].label) {
+          const double ratio = lookup(baseline, tokens) / lookup(fused, tokens);
           char text[32];
           std::snprintf(text, sizeof(text), "%.2fx", ratio);
           std::printf(" %9s", std::isfinite(ratio) ? text : "-");
