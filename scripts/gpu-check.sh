@@ -2,9 +2,10 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench experiments ab profile python e2e" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench peers experiments ab profile python e2e" scripts/gpu-check.sh
 #
-# python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
+# peers: bench/peers.py (FlashInfer, torch symmetric memory, tpfuse from torch, the local kernels)
+# into the bench step's results file; PEERS_ARGS narrows it. python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
 # passes under CUDA graphs), bench/torch_host_overhead.py and bench/torch_qk_baseline.py. e2e:
 # the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it). profile: Nsight
 # Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
@@ -105,6 +106,28 @@ if [[ " $STEPS " == *" bench "* ]]; then
   tee -a "$OUT/bench.log" <"$OUT/selection.log"
   rm -f "$OUT/selection.log"
 fi
+if [[ " $STEPS " == *" peers "* ]]; then
+  step peers
+  # The peers in the same run (bench/peers.py): FlashInfer's fused kernels, torch's symmetric
+  # memory + tpfuse's local kernel, tpfuse from torch, and the local kernels on GPU 0; its
+  # records join the bench step's results file (a file of their own without one). FlashInfer
+  # comes from the bundle scripts/prepare-flashinfer.sh makes (.peers, carried); without it the
+  # run says so and leaves its impls out.
+  [ -f .peers/env.sh ] && source .peers/env.sh
+  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+  export TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
+  if [ -n "${bench_json:-}" ] && [ -f "$bench_json" ]; then
+    peers_out=(--results "$bench_json")
+  else
+    peers_out=(--out "$OUT/peers.json")
+  fi
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${PEERS_TIMEOUT:-400} \
+    python3 bench/peers.py "${peers_out[@]}" ${PEERS_ARGS:-} >"$OUT/peers.txt" 2>"$OUT/peers.log" || status=1
+  grep -E "^peers.py|Error" "$OUT/peers.log" | head -10
+  cat "$OUT/peers.txt"
+  plotted=${bench_json:-$OUT/peers.json}
+  [ -f "$plotted" ] && { python3 bench/plot_results.py "$plotted" >/dev/null 2>&1 || echo "plot failed"; }
+fi
 if [[ " $STEPS " == *" experiments "* ]]; then
   step experiments
   # Timing experiments: tpfuse-bench once per entry of EXPERIMENTS, each an environment setting
@@ -151,13 +174,17 @@ if [[ " $STEPS " == *" profile "* ]]; then
   # kernel replay cannot stall on another GPU), with and without RoPE: duration, issue rate and
   # the dominant stall (the CLI prints no per-reason table: for that, export a report with
   # --export and open it in Nsight Compute). Clocks are left alone (--clock-control none).
-  timeout 240 ncu --clock-control none --kernel-name regex:qk_rmsnorm_kernel \
+  # PROFILE_KERNEL (a regex; default the QK kernel) and PROFILE_HIDDEN pick another kernel, e.g.
+  # PROFILE_KERNEL=local_epilogue_kernel PROFILE_HIDDEN=3072 PROFILE_TOKENS=512.
+  kernel=${PROFILE_KERNEL:-qk_rmsnorm_kernel}
+  timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" \
     --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section SpeedOfLight \
-    --section WarpStateStats --section SchedulerStats \
-    "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden 6144 \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section Occupancy \
+    "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden ${PROFILE_HIDDEN:-6144} \
     --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
-    >"$OUT/ncu-qk.txt" 2>&1
-  echo "ncu: exit $? ($(grep -c 'qk_rmsnorm_kernel' "$OUT/ncu-qk.txt") kernel lines)"
+    >"$OUT/ncu-profile.txt" 2>&1
+  echo "ncu: exit $? ($(grep -c "$kernel" "$OUT/ncu-profile.txt") kernel lines)"
   rm -f "$OUT/profile-bench.json"
 fi
 if [[ " $STEPS " == *" python "* ]]; then

@@ -258,6 +258,9 @@ struct AddRmsNormArgs {
 // protocol's sentinel 0x80000000 (-0.0f in fp32; +0 then -0 in a pair of 16-bit elements) as +0,
 // and normalize from that: the two-shot all-gather carries these outputs as Lamport packets,
 // and both algorithms give the same bits.
+//
+// On a one-rank team there is nothing to exchange: one-shot and two-shot run the local epilogue
+// kernel (add_rmsnorm's), which gives the same bits.
 Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
                                 cudaStream_t stream = nullptr);
 

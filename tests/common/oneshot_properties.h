@@ -522,4 +522,63 @@ inline void check_one_plus_gamma(Harness& harness, uint64_t seed, int cases, int
   }
 }
 
+// A one-rank team has nothing to exchange: every algorithm gives the bits of add_rmsnorm (the
+// local epilogue) on the same inputs, with and without a residual, in place or not, and matches
+// the float64 reference.
+inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
+  ASSERT_EQ(harness.world_size(), 1);
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  const Team& team = harness.team()[0];
+  for (int c = 0; c < 24; ++c) {
+    CaseSpec spec = random_spec(rng, 300);
+    spec.algorithm = Algorithm::kAuto;
+    const CaseData data = random_case(rng, spec, 1);
+    const CaseResult automatic = runner.run(spec, data);
+    expect_correct(spec, data, automatic);
+    for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot, Algorithm::kNccl}) {
+      if (spec.tokens > team.max_tokens(spec.hidden, spec.dtype, algorithm)) continue;
+      CaseSpec forced = spec;
+      forced.algorithm = algorithm;
+      const CaseResult result = runner.run(forced, data);
+      EXPECT_TRUE(result.norm_out[0].bytes == automatic.norm_out[0].bytes)
+          << describe(forced) << ": " << algorithm_name(algorithm) << " vs auto";
+      EXPECT_TRUE(result.residual_out[0].bytes == automatic.residual_out[0].bytes)
+          << describe(forced) << ": " << algorithm_name(algorithm) << " vs auto";
+    }
+    if (!spec.residual || spec.plain_allreduce) continue;
+    // add_rmsnorm on the same inputs, into fresh outputs.
+    const size_t count = size_t(spec.tokens * spec.hidden);
+    const size_t bytes = count * dtype_size(spec.dtype);
+    void* input = harness.allocate(0, bytes);
+    void* residual = harness.allocate(0, bytes);
+    void* gamma = harness.allocate(0, data.gamma.bytes.size());
+    void* residual_out = harness.allocate(0, bytes);
+    void* norm_out = harness.allocate(0, bytes);
+    harness.upload(0, input, data.inputs[0].data(), bytes);
+    harness.upload(0, residual, data.residuals[0].data(), bytes);
+    harness.upload(0, gamma, data.gamma.data(), data.gamma.bytes.size());
+    AddRmsNormArgs args;
+    args.input = input;
+    args.residual = residual;
+    args.gamma = gamma;
+    args.residual_out = residual_out;
+    args.norm_out = norm_out;
+    args.tokens = spec.tokens;
+    args.hidden = spec.hidden;
+    args.dtype = spec.dtype;
+    args.eps = spec.eps;
+    args.norm_weight = spec.norm_weight;
+    harness.run([&](int, cudaStream_t stream) { add_rmsnorm(team.backend(), args, stream); });
+    HostTensor local_norm(spec.dtype, count), local_residual(spec.dtype, count);
+    harness.download(0, local_norm.data(), norm_out, bytes);
+    harness.download(0, local_residual.data(), residual_out, bytes);
+    EXPECT_TRUE(local_norm.bytes == automatic.norm_out[0].bytes) << describe(spec);
+    if (spec.residual_out) {
+      EXPECT_TRUE(local_residual.bytes == automatic.residual_out[0].bytes) << describe(spec);
+    }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 }  // namespace tpfuse::testing

@@ -41,7 +41,7 @@ TEST_P(CpuAlgorithms, OnePlusGammaWeight) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
-                         ::testing::Combine(::testing::Values(2, 3, 4, 5, 8),
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                                             ::testing::Values(Algorithm::kOneShot,
                                                               Algorithm::kTwoShot,
                                                               Algorithm::kNccl)),
@@ -68,7 +68,7 @@ TEST_P(CpuOneShot, OnePlusGammaWeightSameBitsOnEveryAlgorithm) {
   check_one_plus_gamma(harness, 5500 + GetParam(), 4, 37);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuOneShot, ::testing::Values(2, 3, 4, 5, 8),
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuOneShot, ::testing::Values(1, 2, 3, 4, 5, 8),
                          [](const auto& info) { return "world" + std::to_string(info.param); });
 
 TEST(CpuOneShotLimits, LargestMessageTheWorkspaceHoldsAndOneTokenMore) {
@@ -123,6 +123,11 @@ TEST(CpuOneShotLimits, MissingPeerIsReportedNotWaitedFor) {
   EXPECT_NO_THROW(team[1].check());
   // A failed team refuses further calls instead of corrupting them.
   EXPECT_THROW(allreduce(team[0], input.data(), out.data(), 64, DType::kBFloat16), Error);
+}
+
+TEST(CpuOneRankTeam, EveryAlgorithmGivesTheLocalEpiloguesBits) {
+  CpuHarness harness(1);
+  check_one_rank_team_is_local(harness, 6100);
 }
 
 TEST(CpuLocalAddRmsNorm, MatchesFloat64Reference) {

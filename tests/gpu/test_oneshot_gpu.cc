@@ -307,6 +307,12 @@ TEST_F(GpuOneShot, WrongDeviceArgumentsAreRejected) {
   }
 }
 
+TEST(GpuOneRankTeam, EveryAlgorithmGivesTheLocalEpiloguesBits) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  check_one_rank_team_is_local(harness, 6200);
+}
+
 TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
