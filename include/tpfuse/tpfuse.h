@@ -259,8 +259,8 @@ struct AddRmsNormArgs {
 // and normalize from that: the two-shot all-gather carries these outputs as Lamport packets,
 // and both algorithms give the same bits.
 //
-// On a one-rank team there is nothing to exchange: one-shot and two-shot run the local epilogue
-// kernel (add_rmsnorm's), which gives the same bits.
+// On a one-rank team there is nothing to exchange: every algorithm runs the local epilogue kernel
+// (add_rmsnorm's) and gives its bits.
 Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
                                 cudaStream_t stream = nullptr);
 

@@ -260,19 +260,19 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
     take_rejected_turn(state, args.algorithm, args.tokens, args.hidden, args.dtype, stream, op);
     throw;
   }
+  if (state.world_size() == 1 && epilogue.norm) {
+    // One rank has nothing to exchange: every algorithm is the local epilogue, the same bits
+    // without the protocol's work (control block, headers, slot) or an all-reduce that copies.
+    if (args.tokens > 0) {
+      state.ops->local_epilogue(make_row_call(nullptr, args), args.dtype, epilogue, stream);
+    }
+    return algorithm;
+  }
   if (algorithm == Algorithm::kNccl || algorithm == Algorithm::kAuto) {
     if (args.tokens > 0) {
       state.ops->nccl_path(state, make_row_call(&state, args), args.dtype, epilogue, stream);
     }
     return algorithm;  // no tokens: every rank skips alike, NCCL is not called
-  }
-  if (state.world_size() == 1 && epilogue.norm) {
-    // One rank has nothing to exchange: one-shot and two-shot are the local epilogue, the same
-    // bits without the protocol's work (its control block, headers and slot).
-    if (args.tokens > 0) {
-      state.ops->local_epilogue(make_row_call(nullptr, args), args.dtype, epilogue, stream);
-    }
-    return algorithm;
   }
   const CallOp call_op =
       algorithm == Algorithm::kOneShot ? CallOp::kRowsOneShot : CallOp::kRowsTwoShot;

@@ -16,15 +16,18 @@
 namespace tpfuse::impl {
 namespace {
 
+// Rows resident at once decide its speed past a few hundred tokens (one block a row, each a
+// chain of load, block reduction, store): gamma is read after the row's sum is stored (its
+// latency overlaps the reduction) and one-vector threads get at most 32 registers, so that five
+// blocks of 384 threads (hidden 3072 in bf16) fit a multiprocessor instead of three.
 template <typename T, typename Epilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCall p) {
+__global__ void __launch_bounds__(kMaxThreads, kVecsPerThread == 1 ? 4 : 1)
+    local_epilogue_kernel(const RowCall p) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
   grid_dependency_wait();
   launch_dependents();
-  Vec16 gamma[kVecsPerThread];
-  load_row<kVecsPerThread>(p.gamma, 0, vectors, gamma);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 input[kVecsPerThread], residual[kVecsPerThread];
     load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
@@ -36,8 +39,8 @@ __global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCa
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) accumulate_first<T>(acc[i], input[i]);
     }
-    finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
-                                            NoSend{});
+    finish_row<T, kVecsPerThread, Epilogue>(acc, residual, GammaInMemory{p.gamma}, p, token,
+                                            vectors, shared_sums, NoSend{});
   }
 }
 

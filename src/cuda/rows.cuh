@@ -100,14 +100,35 @@ __device__ __forceinline__ void receive_row(float (&acc)[kVecsPerThread][Packed<
   }
 }
 
+// Where finish_row takes gamma from: vectors in registers (loaded earlier, while packets were in
+// flight), or, for a kernel with nothing in flight to hide it behind, memory: loaded after the
+// rounded outputs are stored, so that its latency overlaps the block reduction and no register
+// holds it while the row is loaded (the local kernel: fewer registers, more rows resident).
+struct GammaInMemory {
+  const void* gamma;
+};
+
+template <int kVecsPerThread>
+__device__ __forceinline__ void gamma_vectors(const Vec16 (&in)[kVecsPerThread], int64_t,
+                                              Vec16 (&out)[kVecsPerThread]) {
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) out[i] = in[i];
+}
+
+template <int kVecsPerThread>
+__device__ __forceinline__ void gamma_vectors(const GammaInMemory& in, int64_t vectors,
+                                              Vec16 (&out)[kVecsPerThread]) {
+  load_row<kVecsPerThread>(in.gamma, 0, vectors, out);
+}
+
 // The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual
-// and gamma vectors were loaded earlier, while the packets were in flight. on_rounded(i, vector)
-// sees each rounded output vector (residual_out's, or out's for a plain sum): the two-shot owner
-// sends it to its peers there.
-template <typename T, int kVecsPerThread, typename Epilogue, typename OnRounded>
+// vectors were loaded earlier, while the packets were in flight, and gamma as `Gamma` says.
+// on_rounded(i, vector) sees each rounded output vector (residual_out's, or out's for a plain
+// sum): the two-shot owner sends it to its peers there.
+template <typename T, int kVecsPerThread, typename Epilogue, typename Gamma, typename OnRounded>
 __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T>::kElements],
                                            const Vec16 (&residual)[kVecsPerThread],
-                                           const Vec16 (&gamma)[kVecsPerThread], const RowCall& p,
+                                           const Gamma& gamma_source, const RowCall& p,
                                            int64_t token, int64_t vectors, float* shared_sums,
                                            OnRounded&& on_rounded) {
   const int64_t row = token * vectors;
@@ -124,6 +145,8 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
     }
   }
   if constexpr (Epilogue::kHasNorm) {
+    Vec16 gamma[kVecsPerThread];
+    gamma_vectors<kVecsPerThread>(gamma_source, vectors, gamma);
     const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
