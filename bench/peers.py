@@ -7,10 +7,11 @@ with tpfuse-bench's method on its shapes, in the same GPU run, into the same res
 
 With two or more GPUs (one process per GPU, NCCL group), op allreduce_add_rmsnorm:
   flashinfer_oneshot, flashinfer_twoshot, flashinfer_auto  FlashInfer's TensorRT-LLM fused kernels
-      (kARResidualRMSNorm; one-shot forced, two-shot forced, its own choice; PDL on)
+      (kARResidualRMSNorm; one-shot forced, two-shot forced, its own choice), called as vLLM
+      calls them: in place, fp32 accumulation, PDL
   symm_mem_oneshot+tpfuse_local, symm_mem_twoshot+tpfuse_local  torch's symmetric-memory
       all-reduce (no multicast) into a buffer, then tpfuse's local add + RMSNorm kernel
-  tpfuse_torch  tpfuse's op from torch (Team.from_group, the selector's choice)
+  tpfuse_torch  tpfuse's op from torch, in place (Team.from_group, the selector's choice)
 On every run, on GPU 0, op add_rmsnorm (the local kernels, in place as engines call them):
   flashinfer_fused_add_rmsnorm, tpfuse_one_rank (a one-rank team: tpfuse's local kernel), and
   with --with-compile torch_compile (add + RMSNorm in torch, compiled by Inductor)
@@ -178,7 +179,8 @@ def compare(outputs, reference):
 
 
 class TpfuseTorch:
-    """tpfuse's fused op from torch, out of place, the selector's choice."""
+    """tpfuse's fused op from torch, in place as engines call it (residual <- sum + residual,
+    input <- norm), the selector's choice."""
 
     name = "tpfuse_torch"
 
@@ -192,9 +194,8 @@ class TpfuseTorch:
         pass
 
     def call(self, s, gamma):
-        norm, residual_out = self.tpfuse.allreduce_add_rmsnorm(
-            self.team, s["input"], s["residual"], gamma, EPS)
-        return norm, residual_out
+        self.tpfuse.allreduce_add_rmsnorm_(self.team, s["input"], s["residual"], gamma, EPS)
+        return s["input"], s["residual"]
 
 
 class SymmMemThenLocal:
@@ -238,7 +239,9 @@ class SymmMemThenLocal:
 
 
 class FlashInferFusion:
-    """FlashInfer's fused all-reduce + residual add + RMSNorm (TensorRT-LLM's Lamport kernels)."""
+    """FlashInfer's fused all-reduce + residual add + RMSNorm (TensorRT-LLM's Lamport kernels),
+    called as vLLM calls it: in place (norm into the input, the sum into the residual), fp32
+    accumulation, PDL, the workspace rendezvous over a gloo group."""
 
     def __init__(self, context, mode):
         self.fi = context["flashinfer"]
@@ -246,7 +249,7 @@ class FlashInferFusion:
         self.name = f"flashinfer_{mode}"
         self.rank = context["rank"]
         self.world = context["world"]
-        self.group = context["group"]
+        self.group = context["cpu_group"]
         self.device = context["device"]
         self.workspace = None
         self.shape = None
@@ -262,6 +265,8 @@ class FlashInferFusion:
             backend="trtllm", world_size=self.world, rank=self.rank,
             max_token_num=PeersRun.max_tokens, hidden_dim=hidden, dtype=DTYPE,
             group=self.group)
+        # Not written by this pattern, but allocated on every call unless given.
+        self.scratch = torch.empty((PeersRun.max_tokens, hidden), dtype=DTYPE, device=self.device)
         self.shape = hidden
 
     def close(self):
@@ -273,13 +278,18 @@ class FlashInferFusion:
     def call(self, s, gamma):
         from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
 
+        if self.mode == "twoshot" and s["input"].shape[0] <= self.world:
+            raise ValueError("FlashInfer's two-shot needs more tokens than ranks")
+
         use_oneshot = {"oneshot": True, "twoshot": False, "auto": None}[self.mode]
         allreduce_fusion(
             input=s["input"], workspace=self.workspace,
             pattern=AllReduceFusionPattern.kARResidualRMSNorm, launch_with_pdl=True,
-            residual_in=s["residual"], residual_out=s["residual_out"], norm_out=s["norm_out"],
-            rms_gamma=gamma, rms_eps=EPS, use_oneshot=use_oneshot)
-        return s["norm_out"], s["residual_out"]
+            trigger_completion_at_end=True, output=self.scratch[: s["input"].shape[0]],
+            residual_in=s["residual"],
+            residual_out=s["residual"], norm_out=s["input"], rms_gamma=gamma, rms_eps=EPS,
+            use_oneshot=use_oneshot, fp32_acc=True)
+        return s["input"], s["residual"]
 
 
 class PeersRun:
@@ -306,6 +316,7 @@ def rank_main(rank, world, store_path, args, queue):
     group = dist.group.WORLD
     context = {
         "rank": rank, "world": world, "device": device, "group": group,
+        "cpu_group": dist.new_group(backend="gloo"),
         "group_name": group.group_name, "team": tpfuse.Team.from_group(group),
         "local_team": tpfuse.cuda_team([rank])[0], "flashinfer": flashinfer,
     }

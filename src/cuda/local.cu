@@ -17,12 +17,12 @@ namespace tpfuse::impl {
 namespace {
 
 // Rows resident at once decide its speed past a few hundred tokens (one block a row, each a
-// chain of load, block reduction, store): gamma is read after the row's sum is stored (its
-// latency overlaps the reduction) and one-vector threads get at most 32 registers, so that five
-// blocks of 384 threads (hidden 3072 in bf16) fit a multiprocessor instead of three.
+// chain of load, block reduction, store): gamma is read after the row's sum is stored, where
+// its latency overlaps the reduction and no register holds it while the row loads (hidden 3072
+// in bf16: four blocks of 384 threads fit a multiprocessor instead of three; a tighter register
+// cap spills).
 template <typename T, typename Epilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads, kVecsPerThread == 1 ? 4 : 1)
-    local_epilogue_kernel(const RowCall p) {
+__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCall p) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
