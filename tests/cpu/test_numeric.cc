@@ -66,6 +66,82 @@ TEST(Numeric, RoundsToNearestEven) {
   EXPECT_EQ(from_float<BFloat16>(1.0f + std::ldexp(3.0f, -8)).bits, 0x3f82);
 }
 
+// An independent E4M3 reference: the nearest of the 127 non-negative finite codes by value in
+// double, ties to the even code, saturating at 448, NaN to 0x7f, the sign copied.
+uint8_t reference_e4m3(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double magnitude = std::fabs(double(x));
+  if (magnitude >= 464.0) return uint8_t(sign | 0x7e);
+  int best = 0;
+  double best_error = magnitude;
+  for (int code = 1; code <= 0x7e; ++code) {
+    const int exponent = code >> 3, mantissa = code & 7;
+    const double value = exponent == 0 ? std::ldexp(double(mantissa), -9)
+                                       : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+    const double error = std::fabs(magnitude - value);
+    if (error < best_error || (error == best_error && (code & 1) == 0)) {
+      best = code;
+      best_error = error;
+    }
+  }
+  return uint8_t(sign | best);
+}
+
+TEST(Numeric, Fp8E4M3CodesRoundTrip) {
+  for (int code = 0; code < 256; ++code) {
+    const float x = to_float(Fp8E4M3{uint8_t(code)});
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_TRUE(std::isnan(x)) << code;
+      EXPECT_EQ(fp8_e4m3_from_float(x).bits, kFp8E4M3NaN);
+      continue;
+    }
+    EXPECT_EQ(fp8_e4m3_from_float(x).bits, code) << std::hex << code;
+  }
+  EXPECT_EQ(to_float(Fp8E4M3{0x7e}), 448.0f);
+  EXPECT_EQ(to_float(Fp8E4M3{0x01}), std::ldexp(1.0f, -9));
+  EXPECT_EQ(to_float(Fp8E4M3{0x08}), std::ldexp(1.0f, -6));
+}
+
+TEST(Numeric, Fp8E4M3RoundsToNearestEvenAndSaturates) {
+  // Every exponent, every kept mantissa and the dropped bits' telling patterns (zero, one, just
+  // below, at and above half, all ones), both signs; then random bit patterns.
+  const uint32_t dropped[] = {0, 1, 0x3ffff, 0x7fffe, 0x7ffff, 0x80000, 0x80001, 0xfffff};
+  int checked = 0;
+  for (uint32_t sign = 0; sign < 2; ++sign) {
+    for (uint32_t exponent = 0; exponent < 256; ++exponent) {
+      for (uint32_t kept = 0; kept < 8; ++kept) {
+        for (const uint32_t low : dropped) {
+          const float x = bits_float((sign << 31) | (exponent << 23) | (kept << 20) | low);
+          ASSERT_EQ(fp8_e4m3_from_float(x).bits, reference_e4m3(x)) << std::hexfloat << x;
+          ++checked;
+        }
+      }
+    }
+  }
+  std::mt19937 rng(11);
+  for (int i = 0; i < 400000; ++i) {
+    // Half the draws within E4M3's range, where the rounding happens.
+    uint32_t bits = rng();
+    if (i % 2) bits = (bits & 0x800fffffu) | ((110u + rng() % 30u) << 23);
+    const float x = bits_float(bits);
+    ASSERT_EQ(fp8_e4m3_from_float(x).bits, reference_e4m3(x)) << std::hexfloat << x;
+  }
+  EXPECT_GT(checked, 30000);
+  // The boundaries by name.
+  EXPECT_EQ(fp8_e4m3_from_float(448.0f).bits, 0x7e);
+  EXPECT_EQ(fp8_e4m3_from_float(463.99997f).bits, 0x7e);
+  EXPECT_EQ(fp8_e4m3_from_float(464.0f).bits, 0x7e);  // the tie goes to 448's even mantissa
+  EXPECT_EQ(fp8_e4m3_from_float(1e30f).bits, 0x7e);
+  EXPECT_EQ(fp8_e4m3_from_float(-INFINITY).bits, 0xfe);
+  EXPECT_EQ(fp8_e4m3_from_float(-NAN).bits, kFp8E4M3NaN);
+  EXPECT_EQ(fp8_e4m3_from_float(-0.0f).bits, 0x80);
+  EXPECT_EQ(fp8_e4m3_from_float(std::ldexp(1.0f, -10)).bits, 0x00);  // half the smallest: even
+  EXPECT_EQ(fp8_e4m3_from_float(std::ldexp(1.5f, -10)).bits, 0x01);
+  EXPECT_EQ(fp8_e4m3_from_float(std::ldexp(1.0f, -149)).bits, 0x00);  // an fp32 subnormal
+  EXPECT_EQ(fp8_e4m3_from_float(std::ldexp(15.0f, -10)).bits, 0x08);  // up into the normals
+}
+
 TEST(Lamport, SentinelIsComparedAsBits) {
   // -0.0f equals 0.0f as a value; only the bits tell the sentinel from a payload zero.
   const Vec16 negative_zeros = sentinel_vector();

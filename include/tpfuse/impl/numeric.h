@@ -13,6 +13,7 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #endif
 
 namespace tpfuse::impl {
@@ -121,6 +122,71 @@ TPF_HOST_DEVICE Float16 from_float<Float16>(float x) {
   const uint32_t rebased = magnitude - (112u << 23);
   const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
   return Float16{uint16_t(sign | (rounded >> 13))};
+#endif
+}
+
+// FP8 E4M3 ("e4m3fn": bias 7, 3 mantissa bits, no infinities, 0x7f / 0xff NaN, largest finite
+// 448): the quantized outputs' type, carried as its bits.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+constexpr float kFp8E4M3Max = 448.0f;
+constexpr uint8_t kFp8E4M3NaN = 0x7f;
+
+// Exact: every E4M3 value is an fp32 value.
+TPF_HOST_DEVICE float to_float(Fp8E4M3 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x80u) << 24;
+  const uint32_t exponent = (x.bits >> 3) & 0xfu;
+  const uint32_t mantissa = x.bits & 0x7u;
+  if (exponent == 0xf && mantissa == 0x7) return bits_float(0x7fc00000u | sign);
+  if (exponent == 0) {
+    const float magnitude = float(mantissa) * 0.001953125f;  // mantissa * 2^-9
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+// fp32 to E4M3, round to nearest even, saturating: magnitudes that round past 448 (Inf
+// included) give ±448; zeros keep their sign; any NaN gives 0x7f. This is the software form
+// the host uses (and the GPU test compares the hardware conversion with, over every fp32).
+TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float_software(float x) {
+  const uint32_t u = float_bits(x);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return Fp8E4M3{kFp8E4M3NaN};
+  // From 464 (448 and half its ulp; the tie rounds to 448's even mantissa) on: saturate.
+  if (magnitude >= 0x43e80000u) return Fp8E4M3{uint8_t(sign | 0x7eu)};
+  if (magnitude < 0x3c800000u) {
+    // Below the smallest normal (2^-6): a multiple of 2^-9, the integer rounded to nearest even
+    // (8 is the smallest normal's encoding, reached by rounding up).
+    const uint32_t exponent = magnitude >> 23;
+    if (exponent == 0) return Fp8E4M3{sign};  // fp32 zero or subnormal: far below 2^-10
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 141u - exponent;  // value / 2^-9 = mantissa * 2^(exponent - 141)
+    if (shift > 25u) return Fp8E4M3{sign};   // below 2^-11: rounds to zero
+    uint32_t result = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;
+    return Fp8E4M3{uint8_t(sign | result)};
+  }
+  // Normal: rebias the exponent (127 to 7), round the 20 dropped mantissa bits to nearest even;
+  // a carry moves into the exponent as it should.
+  const uint32_t rebased = magnitude - (120u << 23);
+  const uint32_t rounded = rebased + 0x7ffffu + ((rebased >> 20) & 1u);
+  return Fp8E4M3{uint8_t(sign | (rounded >> 20))};
+}
+
+// The conversion the epilogues use: the hardware instruction on the device
+// (cvt.rn.satfinite.e4m3x2.f32, NaN made 0x7f as the software form gives it), the software form
+// on the host; the same bits for every fp32.
+TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float(float x) {
+#if TPF_ON_DEVICE
+  if (x != x) return Fp8E4M3{kFp8E4M3NaN};
+  return Fp8E4M3{uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3))};
+#else
+  return fp8_e4m3_from_float_software(x);
 #endif
 }
 
