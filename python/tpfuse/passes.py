@@ -395,9 +395,9 @@ class QkNormRope(FusedPattern):
         """The op with RoPE, with `op`'s own arguments (by name), and its inputs."""
         arguments = op_arguments(op)
 
-        def fused(qkv, q_gamma, k_gamma, positions, cos_sin_cache):
+        def fused(qkv, q_weight, k_weight, positions, cos_sin_cache):
             q, k = FUSED_QK(
-                arguments["team"], qkv, q_gamma, k_gamma, q_size=arguments["q_size"],
+                arguments["team"], qkv, q_weight, k_weight, q_size=arguments["q_size"],
                 kv_size=arguments["kv_size"], q_global_size=arguments["q_global_size"],
                 k_global_size=arguments["k_global_size"], kv_replicas=arguments["kv_replicas"],
                 eps=arguments["eps"], positions=positions, cos_sin_cache=cos_sin_cache,
@@ -406,7 +406,7 @@ class QkNormRope(FusedPattern):
             )
             return (k, q) if swapped else (q, k)
 
-        return fused, [arguments["qkv"], arguments["q_gamma"], arguments["k_gamma"]]
+        return fused, [arguments["qkv"], arguments["q_weight"], arguments["k_weight"]]
 
     def register(self, patterns: PatternMatcherPass) -> None:
         generic = gen_pattern(self.pattern(self._head_dim), self.example_inputs(), _trace)

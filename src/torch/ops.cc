@@ -128,7 +128,7 @@ void on_device(const Team& team, Fn&& call) {
 
 NormWeight norm_weight_of(int64_t value, const char* op) {
   TORCH_CHECK(value == 0 || value == 1, "tpfuse::", op,
-              ": norm_weight must be 0 (gamma) or 1 (one plus gamma), got ", value);
+              ": norm_weight must be 0 (weight) or 1 (one plus weight), got ", value);
   return NormWeight(value);
 }
 
@@ -173,7 +173,7 @@ void checked_call(const Team& team, Checks&& checks, Call&& call) {
 // Checks an add-RMSNorm call's tensors and runs it into the given outputs.
 void run_add_rmsnorm(
     int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
-    const at::Tensor& gamma, double eps, int64_t algorithm, int64_t norm_weight,
+    const at::Tensor& weight, double eps, int64_t algorithm, int64_t norm_weight,
     const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op,
     const std::function<void()>& op_checks = [] {}) {
   const Team team = Registry::instance().get(team_handle, op);
@@ -187,9 +187,9 @@ void run_add_rmsnorm(
                     input.sizes());
         const DType dtype = dtype_of(input, op, "input");
         check_like(input, input, op, "input");
-        check_like(gamma, input, op, "gamma");
-        TORCH_CHECK(gamma.dim() == 1 && gamma.size(0) == input.size(1), "tpfuse::", op,
-                    ": gamma must be [hidden = ", input.size(1), "], got ", gamma.sizes());
+        check_like(weight, input, op, "weight");
+        TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(1), "tpfuse::", op,
+                    ": weight must be [hidden = ", input.size(1), "], got ", weight.sizes());
         if (residual != nullptr) {
           check_like(*residual, input, op, "residual");
           TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
@@ -197,7 +197,7 @@ void run_add_rmsnorm(
         }
         args.input = input.data_ptr();
         args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
-        args.gamma = gamma.data_ptr();
+        args.gamma = weight.data_ptr();
         args.residual_out = residual_out.data_ptr();
         args.norm_out = norm_out.data_ptr();
         args.tokens = input.size(0);
@@ -214,20 +214,20 @@ void run_add_rmsnorm(
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
                                                          const at::Tensor& input,
                                                          const std::optional<at::Tensor>& residual,
-                                                         const at::Tensor& gamma, double eps,
+                                                         const at::Tensor& weight, double eps,
                                                          int64_t algorithm, int64_t norm_weight) {
   at::Tensor norm_out = at::empty_like(input);
   at::Tensor residual_out = at::empty_like(input);
-  run_add_rmsnorm(team_handle, input, residual ? &*residual : nullptr, gamma, eps, algorithm,
+  run_add_rmsnorm(team_handle, input, residual ? &*residual : nullptr, weight, eps, algorithm,
                   norm_weight, norm_out, residual_out, "allreduce_add_rmsnorm");
   return {norm_out, residual_out};
 }
 
 // In place, as engines call their fused add + RMSNorm: input <- norm, residual <- sum + residual.
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
-                            const at::Tensor& gamma, double eps, int64_t algorithm,
+                            const at::Tensor& weight, double eps, int64_t algorithm,
                             int64_t norm_weight) {
-  run_add_rmsnorm(team_handle, input, &residual, gamma, eps, algorithm, norm_weight, input,
+  run_add_rmsnorm(team_handle, input, &residual, weight, eps, algorithm, norm_weight, input,
                   residual, "allreduce_add_rmsnorm_", [&] {
                     TORCH_CHECK(!input.is_same(residual),
                                 "tpfuse::allreduce_add_rmsnorm_: input and residual are the same "
@@ -260,8 +260,8 @@ at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algor
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
-    int64_t team_handle, const at::Tensor& qkv, const at::Tensor& q_gamma,
-    const at::Tensor& k_gamma, int64_t q_size, int64_t kv_size, int64_t q_global_size,
+    int64_t team_handle, const at::Tensor& qkv, const at::Tensor& q_weight,
+    const at::Tensor& k_weight, int64_t q_size, int64_t kv_size, int64_t q_global_size,
     int64_t k_global_size, int64_t kv_replicas, double eps,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& cos_sin_cache,
     int64_t head_dim, int64_t rotary_dim, int64_t rope_style, int64_t algorithm) {
@@ -278,14 +278,14 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
                     "], got ", qkv.sizes());
         const DType dtype = dtype_of(qkv, op, "qkv");
         check_like(qkv, qkv, op, "qkv");
-        check_like(q_gamma, qkv, op, "q_gamma");
-        check_like(k_gamma, qkv, op, "k_gamma");
-        TORCH_CHECK(q_gamma.dim() == 1 && q_gamma.size(0) == q_size, "tpfuse::", op,
-                    ": q_gamma must be [q_size = ", q_size, "] (this rank's slice), got ",
-                    q_gamma.sizes());
-        TORCH_CHECK(k_gamma.dim() == 1 && k_gamma.size(0) == kv_size, "tpfuse::", op,
-                    ": k_gamma must be [kv_size = ", kv_size, "] (this rank's slice), got ",
-                    k_gamma.sizes());
+        check_like(q_weight, qkv, op, "q_weight");
+        check_like(k_weight, qkv, op, "k_weight");
+        TORCH_CHECK(q_weight.dim() == 1 && q_weight.size(0) == q_size, "tpfuse::", op,
+                    ": q_weight must be [q_size = ", q_size, "] (this rank's slice), got ",
+                    q_weight.sizes());
+        TORCH_CHECK(k_weight.dim() == 1 && k_weight.size(0) == kv_size, "tpfuse::", op,
+                    ": k_weight must be [kv_size = ", kv_size, "] (this rank's slice), got ",
+                    k_weight.sizes());
         TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
                     ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
         q = at::empty({qkv.size(0), q_size}, qkv.options());
@@ -293,8 +293,8 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
         args.qkv = qkv.data_ptr();
         args.q_out = q.data_ptr();
         args.k_out = k.data_ptr();
-        args.q_gamma = q_gamma.data_ptr();
-        args.k_gamma = k_gamma.data_ptr();
+        args.q_gamma = q_weight.data_ptr();
+        args.k_gamma = k_weight.data_ptr();
         args.tokens = qkv.size(0);
         args.q_size = q_size;
         args.kv_size = kv_size;
@@ -355,16 +355,16 @@ const at::Tensor* optional_of(const std::optional<at::Tensor>& tensor) {
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_meta(
     int64_t, const at::Tensor& input, const std::optional<at::Tensor>& residual,
-    const at::Tensor& gamma, double, int64_t, int64_t) {
+    const at::Tensor& weight, double, int64_t, int64_t) {
   check_meta("allreduce_add_rmsnorm",
-             {{"input", &input}, {"residual", optional_of(residual)}, {"gamma", &gamma}});
+             {{"input", &input}, {"residual", optional_of(residual)}, {"weight", &weight}});
   return {at::empty_like(input), at::empty_like(input)};
 }
 
 void allreduce_add_rmsnorm__meta(int64_t, at::Tensor& input, at::Tensor& residual,
-                                 const at::Tensor& gamma, double, int64_t, int64_t) {
+                                 const at::Tensor& weight, double, int64_t, int64_t) {
   check_meta("allreduce_add_rmsnorm_",
-             {{"input", &input}, {"residual", &residual}, {"gamma", &gamma}});
+             {{"input", &input}, {"residual", &residual}, {"weight", &weight}});
 }
 
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
@@ -372,13 +372,13 @@ at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm_meta(
-    int64_t, const at::Tensor& qkv, const at::Tensor& q_gamma, const at::Tensor& k_gamma,
+    int64_t, const at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
     int64_t q_size, int64_t kv_size, int64_t, int64_t, int64_t, double,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& cos_sin_cache,
     int64_t, int64_t, int64_t, int64_t) {
   check_meta("allreduce_qk_rmsnorm", {{"qkv", &qkv},
-                                      {"q_gamma", &q_gamma},
-                                      {"k_gamma", &k_gamma},
+                                      {"q_weight", &q_weight},
+                                      {"k_weight", &k_weight},
                                       {"positions", optional_of(positions)},
                                       {"cos_sin_cache", optional_of(cos_sin_cache)}});
   return {at::empty({qkv.size(0), q_size}, qkv.options()),
@@ -457,14 +457,14 @@ std::string version_op() {
 TORCH_LIBRARY(tpfuse, m) {
   using namespace tpfuse::torch_ops;
   m.def(
-      "allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor gamma, float eps, "
+      "allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor weight, float eps, "
       "int algorithm=0, int norm_weight=0) -> (Tensor norm_out, Tensor residual_out)");
   m.def(
-      "allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor gamma, "
+      "allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
       "float eps, int algorithm=0, int norm_weight=0) -> ()");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(
-      "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_gamma, Tensor k_gamma, int q_size, "
+      "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_weight, Tensor k_weight, int q_size, "
       "int kv_size, int q_global_size, int k_global_size, int kv_replicas, float eps, "
       "Tensor? positions=None, Tensor? cos_sin_cache=None, int head_dim=0, int rotary_dim=0, "
       "int rope_style=0, int algorithm=0) -> (Tensor q, Tensor k)");

@@ -170,7 +170,8 @@ class AddRmsNorm(unittest.TestCase):
         weight = torch.ones(64, dtype=torch.bfloat16)
         cases = [
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x.double(), None, weight, 1e-6), "input"),
-            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6), "gamma"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6),
+             r"weight must be \[hidden = 64\]"),
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x, x.float(), weight, 1e-6), "residual"),
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x.t(), None, weight, 1e-6), "contiguous"),
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, -1.0), "eps"),
@@ -186,7 +187,7 @@ class AddRmsNorm(unittest.TestCase):
             tpfuse.allreduce_add_rmsnorm_(team, same, same, weight, 1e-6)
         with self.assertRaisesRegex(TypeError, "residual must be a tensor"):
             tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6)
-        with self.assertRaisesRegex(RuntimeError, "gamma is on cpu but another argument is a meta"):
+        with self.assertRaisesRegex(RuntimeError, "weight is on cpu but another argument is a meta"):
             tpfuse.allreduce_add_rmsnorm(team, x.to("meta"), None, weight, 1e-6)
         with self.assertRaisesRegex(RuntimeError, "input is on cpu but another argument is a meta"):
             tpfuse.allreduce_add_rmsnorm(team, x, None, weight.to("meta"), 1e-6)
@@ -250,7 +251,8 @@ class RanksThatGoWrong(unittest.TestCase):
         team, x, weight = self.teams[0], self.x[0], self.weight
         cases = [
             # torch-side checks
-            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6), "gamma"),
+            (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight[:32], 1e-6),
+             "weight must be [hidden = 64], got [32]"),
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x.t(), None, weight, 1e-6), "contiguous"),
             # tpfuse's own checks
             (lambda: tpfuse.allreduce_add_rmsnorm(team, x, None, weight, -1.0), "eps"),
@@ -356,9 +358,9 @@ class QkArguments(unittest.TestCase):
 
         call()  # the good call runs
         cases = [
-            (dict(q_weight=q_weight[:64]), r"q_gamma must be \[q_size = 128\]"),
+            (dict(q_weight=q_weight[:64]), r"q_weight must be \[q_size = 128\]"),
             (dict(k_weight=torch.ones(2 * kv_size, dtype=torch.bfloat16)),
-             r"k_gamma must be \[kv_size = 64\]"),
+             r"k_weight must be \[kv_size = 64\]"),
             (dict(cos_sin_cache=cache.to(torch.bfloat16)), "cos_sin_cache must be float32"),
             (dict(q_weight=q_weight.to("meta")), "qkv is on cpu but another argument is a meta"),
         ]
