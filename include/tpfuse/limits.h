@@ -10,6 +10,10 @@ constexpr int kMaxWorldSize = 16;
 // Widths: hidden must be a multiple of kHiddenMultiple elements and at most kMaxHidden.
 constexpr int64_t kHiddenMultiple = 8;
 constexpr int64_t kMaxHidden = 16384;
+// FP8 output per token group: elements per group along hidden (hidden must be a multiple).
+constexpr int64_t kQuantGroupSize = 128;
+// The dynamic scales' floor: scale = max(amax, kQuantMinAmax) / 448 (an all-zero row stays 0).
+constexpr float kQuantMinAmax = 1e-10f;
 // QK norm: this rank's q_size + kv_size at most kMaxQkWidth 16-bit elements (half as many fp32),
 // and at most kMaxQkRopeWidth with RoPE.
 constexpr int64_t kMaxQkWidth = 32768;

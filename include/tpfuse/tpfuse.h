@@ -230,12 +230,30 @@ int cuda_device_count();
 enum class NormWeight : int { kGamma = 0, kOnePlusGamma = 1 };
 const char* norm_weight_name(NormWeight weight);
 
+// FP8 E4M3 output of the norm, for the FP8 GEMM that follows (all scales fp32):
+//   kStatic:           q = e4m3(n / scale), one scale given (as engines pass a calibrated one);
+//   kPerToken:         scale[t] = max(amax(n[t, :]), 1e-10) / 448, written;
+//   kPerTokenGroup128: scale[t, g] = max(amax(n[t, 128 g : 128 g + 128]), 1e-10) / 448, written
+//                      row-major [tokens, hidden / 128] (DeepSeek-V3 / MiniMax-M2's block format).
+// n is the norm output as stored (norm_out, rounded to dtype), so q is exactly what quantizing
+// norm_out gives; e4m3 rounds to nearest even and saturates at ±448 (NaN stays NaN, 0x7f). The
+// division is IEEE fp32 on every backend: the same bits from the CPU and the GPU for the same n.
+enum class QuantMode : int { kNone = 0, kStatic = 1, kPerToken = 2, kPerTokenGroup128 = 3 };
+const char* quant_mode_name(QuantMode mode);
+
 struct AddRmsNormArgs {
   const void* input = nullptr;     // [tokens, hidden] this rank's partial sum
   const void* residual = nullptr;  // [tokens, hidden] or nullptr: no residual
   const void* gamma = nullptr;     // [hidden]
   void* residual_out = nullptr;    // [tokens, hidden]; required with a residual, optional without
-  void* norm_out = nullptr;        // [tokens, hidden]
+  void* norm_out = nullptr;        // [tokens, hidden] (also with an FP8 output: the router's copy)
+  // FP8 output (QuantMode above): quant_out [tokens, hidden] bytes, 16-byte aligned;
+  // quant_scale: kStatic's scale (one fp32, this rank's device memory on CUDA); scales_out:
+  // kPerToken's [tokens] or kPerTokenGroup128's [tokens, hidden / 128] fp32.
+  QuantMode quant = QuantMode::kNone;
+  void* quant_out = nullptr;
+  const float* quant_scale = nullptr;
+  float* scales_out = nullptr;
   int64_t tokens = 0;
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;

@@ -48,6 +48,20 @@ const char* norm_weight_name(NormWeight weight) {
   return "unknown";
 }
 
+const char* quant_mode_name(QuantMode mode) {
+  switch (mode) {
+    case QuantMode::kNone:
+      return "none";
+    case QuantMode::kStatic:
+      return "fp8 static";
+    case QuantMode::kPerToken:
+      return "fp8 per token";
+    case QuantMode::kPerTokenGroup128:
+      return "fp8 per token group of 128";
+  }
+  return "unknown";
+}
+
 namespace {
 const impl::TeamState& state_of(const Team& team) {
   if (team.state() == nullptr)
@@ -148,6 +162,10 @@ RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args) {
   call.tokens = args.tokens;
   call.hidden = args.hidden;
   call.eps = args.eps;
+  call.quant = args.quant;
+  call.quant_out = args.quant_out;
+  call.quant_scale = args.quant_scale;
+  call.scales_out = args.scales_out;
   return call;
 }
 
@@ -185,9 +203,10 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
 }
 
 CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
-                            int64_t hidden, float eps) {
+                            int64_t hidden, float eps, QuantMode quant) {
   const uint32_t word0 = uint32_t(op) | uint32_t(dtype) << 4 | uint32_t(epilogue.residual) << 8 |
-                         uint32_t(epilogue.norm) << 9 | uint32_t(epilogue.weight) << 10;
+                         uint32_t(epilogue.norm) << 9 | uint32_t(epilogue.weight) << 10 |
+                         uint32_t(quant) << 12;
   const uint32_t extra[] = {epilogue.norm ? float_bits(eps) : 0u};
   return make_signature(word0, uint32_t(tokens), uint32_t(hidden), extra, 1);
 }
@@ -277,7 +296,8 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
   const CallOp call_op =
       algorithm == Algorithm::kOneShot ? CallOp::kRowsOneShot : CallOp::kRowsTwoShot;
   RowCall call = make_row_call(&state, args);
-  call.signature = row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps);
+  call.signature =
+      row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps, args.quant);
   if (args.tokens == 0) {
     // Still a turn: a peer whose call has tokens learns that this one had none.
     if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
@@ -306,7 +326,8 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
 }  // namespace impl
 
 Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
-  const impl::RowEpilogueKind epilogue{args.residual != nullptr, true, args.norm_weight};
+  const impl::RowEpilogueKind epilogue{args.residual != nullptr, true, args.norm_weight,
+                                       args.quant != QuantMode::kNone};
   return impl::run_rows(team, args, epilogue, stream, "allreduce_add_rmsnorm");
 }
 
@@ -402,7 +423,8 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {
   const char* op = "add_rmsnorm";
   TPF_CHECK_ARG(args.residual != nullptr, op, "residual is null");
-  const impl::RowEpilogueKind epilogue{true, true, args.norm_weight};
+  const impl::RowEpilogueKind epilogue{true, true, args.norm_weight,
+                                       args.quant != QuantMode::kNone};
   impl::validate_add_rmsnorm(args, epilogue, op);
   const impl::BackendOps& ops = impl::require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);

@@ -46,6 +46,10 @@ void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer)
   } else if (field(mine, 10, 3) != field(theirs, 10, 3)) {
     out << "norm_weight: " << norm_weight_name(NormWeight(int(field(mine, 10, 3)))) << " here, "
         << norm_weight_name(NormWeight(int(field(theirs, 10, 3)))) << " on rank " << peer;
+  } else if (field(mine, 0, 0xf) != uint32_t(CallOp::kQkOneShot)) {
+    // Row calls keep their FP8 output's mode where the QK norm keeps its RoPE style.
+    out << "quant: " << quant_mode_name(QuantMode(int(field(mine, 12, 3)))) << " here, "
+        << quant_mode_name(QuantMode(int(field(theirs, 12, 3)))) << " on rank " << peer;
   } else {
     out << "rope: style " << field(mine, 12, 3) << " here, " << field(theirs, 12, 3) << " on rank "
         << peer;

@@ -24,6 +24,11 @@ struct RowCall {
   int64_t tokens;
   int64_t hidden;
   float eps;
+  // The FP8 output (epilogues with kHasQuant): AddRmsNormArgs' fields.
+  QuantMode quant;
+  void* quant_out;
+  const float* quant_scale;
+  float* scales_out;
 };
 
 // A QK-norm call (or one of its local halves).
@@ -59,7 +64,7 @@ enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
 
 // The signatures of a row collective and of the fused QK norm (session.h).
 CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
-                            int64_t hidden, float eps);
+                            int64_t hidden, float eps, QuantMode quant = QuantMode::kNone);
 CallSignature qk_signature(const QkNormArgs& args);
 
 // `team` null: the local form (no exchange; counts_k = 1).

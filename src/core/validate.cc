@@ -43,6 +43,17 @@ bool is_known(NormWeight weight) {
   return false;
 }
 
+bool is_known(QuantMode mode) {
+  switch (mode) {
+    case QuantMode::kNone:
+    case QuantMode::kStatic:
+    case QuantMode::kPerToken:
+    case QuantMode::kPerTokenGroup128:
+      return true;
+  }
+  return false;
+}
+
 bool is_known(RopeStyle style) {
   switch (style) {
     case RopeStyle::kNone:
@@ -72,6 +83,90 @@ bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
 }
 
 }  // namespace
+
+// The FP8 output's arguments: present as its mode needs, aligned, and apart from every tensor
+// the call reads or writes (the scales too: each is written once per token or group).
+void validate_quant(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue, size_t bytes,
+                    const char* op) {
+  TPF_CHECK_ARG(is_known(args.quant), op, "quant " << int(args.quant) << " is not a QuantMode");
+  if (args.quant == QuantMode::kNone) {
+    TPF_CHECK_ARG(
+        args.quant_out == nullptr && args.quant_scale == nullptr && args.scales_out == nullptr, op,
+        "quant_out, quant_scale or scales_out given but quant is none");
+    return;
+  }
+  TPF_CHECK_ARG(epilogue.norm, op, "an FP8 output quantizes the norm: a plain sum has none");
+  const bool rows = args.tokens > 0;
+  TPF_CHECK_ARG(args.quant_out != nullptr || !rows, op,
+                "quant_out is null but quant is " << quant_mode_name(args.quant));
+  TPF_CHECK_ARG(args.quant_out == nullptr || is_aligned(args.quant_out), op,
+                "quant_out must be 16-byte aligned, got " << args.quant_out);
+  const bool static_scale = args.quant == QuantMode::kStatic;
+  TPF_CHECK_ARG(!static_scale || args.quant_scale != nullptr, op,
+                "quant_scale is null: quant fp8 static needs the scale");
+  TPF_CHECK_ARG(static_scale || args.quant_scale == nullptr, op,
+                "quant_scale is given but quant is " << quant_mode_name(args.quant)
+                                                     << " (the scales are computed)");
+  TPF_CHECK_ARG(
+      static_scale || args.scales_out != nullptr || !rows, op,
+      "scales_out is null: quant " << quant_mode_name(args.quant) << " writes its scales there");
+  TPF_CHECK_ARG(!static_scale || args.scales_out == nullptr, op,
+                "scales_out is given but quant fp8 static computes no scales");
+  if (args.quant == QuantMode::kPerTokenGroup128) {
+    TPF_CHECK_ARG(args.hidden % kQuantGroupSize == 0, op,
+                  "hidden must be a multiple of " << kQuantGroupSize << " for quant "
+                                                  << quant_mode_name(args.quant) << ", got "
+                                                  << args.hidden);
+  }
+  for (const auto& [name, pointer] :
+       {std::pair<const char*, const void*>{"quant_scale", args.quant_scale},
+        {"scales_out", args.scales_out}}) {
+    TPF_CHECK_ARG(pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % 4 == 0, op,
+                  name << " must be 4-byte aligned, got " << pointer);
+  }
+  const size_t quant_bytes = size_t(args.tokens) * size_t(args.hidden);
+  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
+                         : args.quant == QuantMode::kPerTokenGroup128
+                             ? args.tokens * (args.hidden / kQuantGroupSize)
+                             : 1;
+  const size_t scales_bytes = size_t(scales) * sizeof(float);
+  const size_t gamma_bytes = size_t(args.hidden) * dtype_size(args.dtype);
+  struct Region {
+    const char* name;
+    const void* pointer;
+    size_t bytes;
+  };
+  const Region others[] = {{"input", args.input, bytes},
+                           {"residual", args.residual, bytes},
+                           {"gamma", args.gamma, gamma_bytes},
+                           {"residual_out", args.residual_out, bytes},
+                           {"norm_out", args.norm_out, bytes}};
+  const Region written[] = {{"quant_out", args.quant_out, quant_bytes},
+                            {"scales_out", args.scales_out, scales_bytes}};
+  for (const Region& out : written) {
+    if (out.pointer == nullptr) continue;
+    for (const Region& other : others) {
+      TPF_CHECK_ARG(
+          other.pointer == nullptr || disjoint(out.pointer, out.bytes, other.pointer, other.bytes),
+          op,
+          out.name << " overlaps " << other.name << ": the FP8 outputs must be "
+                   << "apart from every other tensor");
+    }
+  }
+  if (args.quant_out != nullptr && args.scales_out != nullptr) {
+    TPF_CHECK_ARG(disjoint(args.quant_out, quant_bytes, args.scales_out, scales_bytes), op,
+                  "scales_out overlaps quant_out");
+  }
+  if (args.quant_scale != nullptr) {
+    for (const Region& out : {Region{"residual_out", args.residual_out, bytes},
+                              Region{"norm_out", args.norm_out, bytes},
+                              Region{"quant_out", args.quant_out, quant_bytes}}) {
+      TPF_CHECK_ARG(out.pointer == nullptr ||
+                        disjoint(out.pointer, out.bytes, args.quant_scale, sizeof(float)),
+                    op, out.name << " overlaps quant_scale: outputs may not touch it");
+    }
+  }
+}
 
 void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                           const char* op) {
@@ -134,6 +229,7 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
     TPF_CHECK_ARG(args.residual_out != args.norm_out, op,
                   "residual_out and norm_out are the same tensor");
   }
+  validate_quant(args, epilogue, bytes, op);
 }
 
 void validate_positions_on_host(const QkNormArgs& a, const char* op) {

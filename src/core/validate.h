@@ -10,6 +10,7 @@ namespace tpfuse::impl {
 bool is_known(DType dtype);
 bool is_known(Algorithm algorithm);
 bool is_known(NormWeight weight);
+bool is_known(QuantMode mode);
 bool is_known(RopeStyle style);
 
 void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,

@@ -34,6 +34,52 @@ Lanes<T>& lanes_at(std::vector<float>& acc, int64_t vector) {
   return *reinterpret_cast<Lanes<T>*>(&acc[vector * Packed<T>::kElements]);
 }
 
+// The FP8 output of one row from its normalized vectors (as stored in norm_out): the scale of
+// the call, of the token or of each group of kQuantGroupSize elements (epilogue.h's steps, the
+// same as the GPU's).
+template <typename T>
+void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_t token) {
+  constexpr int64_t kElements = Packed<T>::kElements;
+  const int64_t vectors = int64_t(normalized.size());
+  uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
+  const auto store = [&](int64_t v, float scale) {
+    const QuantBytes<T> bytes = quantize_vector<T>(normalized[size_t(v)], scale);
+    std::memcpy(out + v * kElements, bytes.bytes, kElements);
+  };
+  switch (p.quant) {
+    case QuantMode::kStatic: {
+      const float scale = *p.quant_scale;
+      for (int64_t v = 0; v < vectors; ++v) store(v, scale);
+      break;
+    }
+    case QuantMode::kPerToken: {
+      float amax = 0.0f;
+      for (int64_t v = 0; v < vectors; ++v)
+        amax = fmaxf(amax, vector_amax<T>(normalized[size_t(v)]));
+      const float scale = dynamic_scale(amax);
+      p.scales_out[token] = scale;
+      for (int64_t v = 0; v < vectors; ++v) store(v, scale);
+      break;
+    }
+    case QuantMode::kPerTokenGroup128: {
+      const int64_t per_group = kQuantGroupSize / kElements;
+      const int64_t groups = p.hidden / kQuantGroupSize;
+      for (int64_t g = 0; g < groups; ++g) {
+        float amax = 0.0f;
+        for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) {
+          amax = fmaxf(amax, vector_amax<T>(normalized[size_t(v)]));
+        }
+        const float scale = dynamic_scale(amax);
+        p.scales_out[token * groups + g] = scale;
+        for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) store(v, scale);
+      }
+      break;
+    }
+    case QuantMode::kNone:
+      break;
+  }
+}
+
 // The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector. on_rounded(v,
 // vector) sees each rounded vector (residual_out's, or out's for a plain sum) as it is stored:
 // the two-shot owner sends it to its peers.
@@ -52,11 +98,14 @@ void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token, OnRoun
   }
   if constexpr (Epilogue::kHasNorm) {
     const float scale = rms_scale(sum_squares, p.hidden, p.eps);
+    std::vector<Vec16> normalized(Epilogue::kHasQuant ? size_t(vectors) : 0);
     for (int64_t v = 0; v < vectors; ++v) {
-      store_plain(
-          p.norm_out, row + v,
-          Epilogue::template normalize<T>(lanes_at<T>(acc, v), load_plain(p.gamma, v), scale));
+      const Vec16 out =
+          Epilogue::template normalize<T>(lanes_at<T>(acc, v), load_plain(p.gamma, v), scale);
+      store_plain(p.norm_out, row + v, out);
+      if constexpr (Epilogue::kHasQuant) normalized[size_t(v)] = out;
     }
+    if constexpr (Epilogue::kHasQuant) quantize_row<T>(normalized, p, token);
   }
 }
 

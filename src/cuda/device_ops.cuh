@@ -88,6 +88,30 @@ __device__ __forceinline__ float block_sum(float value, float* shared_warp_sums)
   return total;
 }
 
+// Largest value over the block (the FP8 output's per-token amax): fmaxf is exact in any order.
+__device__ __forceinline__ float block_max(float value, float* shared_warp_values) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = (blockDim.x + 31) / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  if (lane == 0) shared_warp_values[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < warps ? shared_warp_values[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    }
+    if (lane == 0) shared_warp_values[32] = value;
+  }
+  __syncthreads();
+  const float total = shared_warp_values[32];
+  __syncthreads();  // the shared values may be reused by the next row
+  return total;
+}
+
 // block_sum of two values at once (one pass, one set of barriers): each component gets exactly
 // the additions, in the same order, that block_sum would give it alone.
 __device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_sums) {

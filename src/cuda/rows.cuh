@@ -121,6 +121,69 @@ __device__ __forceinline__ void gamma_vectors(const GammaInMemory& in, int64_t v
   load_row<kVecsPerThread>(in.gamma, 0, vectors, out);
 }
 
+// The FP8 output of a token row from this thread's normalized vectors (epilogue.h's steps): the
+// call's static scale, the token's (a block max) or each group's. A group's kQuantGroupSize
+// elements are consecutive vectors held by consecutive lanes of one warp (blockDim is a multiple
+// of 32 and hidden of the group size), so its max is a shuffle over 16 (or, for fp32, 32) lanes;
+// every lane takes part in the shuffles, those without a vector with 0.
+template <typename T, int kVecsPerThread>
+__device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerThread],
+                                             const RowCall& p, int64_t token, int64_t vectors,
+                                             float* shared_values, float static_scale) {
+  constexpr int kElements = Packed<T>::kElements;
+  uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
+  const auto store = [&](int i, float scale) {
+    const QuantBytes<T> q = quantize_vector<T>(normalized[i], scale);
+    uint8_t* const at = out + owned(i) * kElements;
+    if constexpr (kElements == 8) {
+      uint2 word;
+      memcpy(&word, q.bytes, 8);
+      *reinterpret_cast<uint2*>(at) = word;
+    } else {
+      uint32_t word;
+      memcpy(&word, q.bytes, 4);
+      *reinterpret_cast<uint32_t*>(at) = word;
+    }
+  };
+  if (p.quant == QuantMode::kPerTokenGroup128) {
+    constexpr int kGroupLanes = int(kQuantGroupSize) / kElements;  // 16, or 32 for fp32
+    const int64_t groups = p.hidden / kQuantGroupSize;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      // Uniform over the block: a warp is all past the row or all in it.
+      if (int64_t(i) * blockDim.x >= vectors) break;
+      const bool mine = owns<kVecsPerThread>(i, vectors);
+      float amax = mine ? vector_amax<T>(normalized[i]) : 0.0f;
+#pragma unroll
+      for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      const float scale = dynamic_scale(amax);
+      if (mine) {
+        store(i, scale);
+        if (owned(i) % kGroupLanes == 0) {
+          p.scales_out[token * groups + owned(i) / kGroupLanes] = scale;
+        }
+      }
+    }
+    return;
+  }
+  float scale = static_scale;
+  if (p.quant == QuantMode::kPerToken) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) amax = fmaxf(amax, vector_amax<T>(normalized[i]));
+    }
+    scale = dynamic_scale(block_max(amax, shared_values));
+    if (threadIdx.x == 0) p.scales_out[token] = scale;
+  }
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    if (owns<kVecsPerThread>(i, vectors)) store(i, scale);
+  }
+}
+
 // The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual
 // vectors were loaded earlier, while the packets were in flight, and gamma as `Gamma` says.
 // on_rounded(i, vector) sees each rounded output vector (residual_out's, or out's for a plain
@@ -147,13 +210,22 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
   if constexpr (Epilogue::kHasNorm) {
     Vec16 gamma[kVecsPerThread];
     gamma_vectors<kVecsPerThread>(gamma_source, vectors, gamma);
+    // The static FP8 scale, loaded while the reduction runs.
+    float static_scale = 1.0f;
+    if constexpr (Epilogue::kHasQuant) {
+      if (p.quant == QuantMode::kStatic) static_scale = *p.quant_scale;
+    }
     const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
+    Vec16 normalized[kVecsPerThread];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
-        store_vector(p.norm_out, row + owned(i),
-                     Epilogue::template normalize<T>(acc[i], gamma[i], scale));
+        normalized[i] = Epilogue::template normalize<T>(acc[i], gamma[i], scale);
+        store_vector(p.norm_out, row + owned(i), normalized[i]);
       }
+    }
+    if constexpr (Epilogue::kHasQuant) {
+      quantize_row<T, kVecsPerThread>(normalized, p, token, vectors, shared_sums, static_scale);
     }
   }
 }

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -32,6 +34,8 @@ struct CaseSpec {
   bool plain_allreduce = false;            // tpfuse::allreduce of tokens * hidden elements
   Algorithm algorithm = Algorithm::kAuto;  // kAuto: the harness's algorithm
   NormWeight norm_weight = NormWeight::kGamma;
+  QuantMode quant = QuantMode::kNone;  // an FP8 output of the norm too
+  float static_scale = 0.01f;          // QuantMode::kStatic's scale
 };
 
 struct CaseData {
@@ -41,9 +45,11 @@ struct CaseData {
 };
 
 struct CaseResult {
-  std::vector<HostTensor> residual_out;    // per rank
-  std::vector<HostTensor> norm_out;        // per rank
-  Algorithm algorithm = Algorithm::kAuto;  // what rank 0's call reported it ran
+  std::vector<HostTensor> residual_out;         // per rank
+  std::vector<HostTensor> norm_out;             // per rank
+  std::vector<std::vector<uint8_t>> quant_out;  // per rank, spec.quant only
+  std::vector<std::vector<float>> scales;       // per rank, the dynamic modes only
+  Algorithm algorithm = Algorithm::kAuto;       // what rank 0's call reported it ran
 };
 
 inline std::string describe(const CaseSpec& spec) {
@@ -51,6 +57,8 @@ inline std::string describe(const CaseSpec& spec) {
   out << dtype_name(spec.dtype) << " tokens=" << spec.tokens << " hidden=" << spec.hidden
       << (spec.plain_allreduce ? " allreduce" : "") << (spec.residual ? " residual" : "")
       << (spec.residual_out ? " residual_out" : "") << (spec.norm_in_place ? " norm_in_place" : "")
+      << (spec.quant != QuantMode::kNone ? std::string(" quant=") + quant_mode_name(spec.quant)
+                                         : "")
       << (spec.residual_in_place ? " residual_in_place" : "");
   if (spec.norm_weight != NormWeight::kGamma) out << " " << norm_weight_name(spec.norm_weight);
   if (spec.algorithm != Algorithm::kAuto) out << " " << algorithm_name(spec.algorithm);
@@ -92,6 +100,13 @@ class OneShotRunner {
         harness_.upload(r, b.gamma, data[c].gamma.data(), data[c].gamma.bytes.size());
         if (!spec.norm_in_place) harness_.upload(r, b.norm_out, poison.data(), bytes);
         if (!spec.residual_in_place) harness_.upload(r, b.residual_out, poison.data(), bytes);
+        if (spec.quant != QuantMode::kNone) {
+          const std::vector<uint8_t> poison_bytes(quant_bytes(spec), 0x5a);
+          harness_.upload(r, b.quant_out, poison_bytes.data(), poison_bytes.size());
+          const std::vector<float> poison_scales(scale_count(spec) + 1, std::nanf(""));
+          harness_.upload(r, b.scales, poison_scales.data(), poison_scales.size() * 4);
+          harness_.upload(r, b.scale, &spec.static_scale, 4);
+        }
       }
     }
     std::vector<Algorithm> ran(specs.size());
@@ -129,6 +144,14 @@ class OneShotRunner {
         }
         results[c].norm_out.push_back(std::move(norm));
         results[c].residual_out.push_back(std::move(residual_out));
+        if (spec.quant != QuantMode::kNone) {
+          std::vector<uint8_t> quant(quant_bytes(spec));
+          std::vector<float> scales(scale_count(spec));
+          harness_.download(r, quant.data(), b.quant_out, quant.size());
+          if (!scales.empty()) harness_.download(r, scales.data(), b.scales, scales.size() * 4);
+          results[c].quant_out.push_back(std::move(quant));
+          results[c].scales.push_back(std::move(scales));
+        }
       }
     }
     return results;
@@ -141,6 +164,18 @@ class OneShotRunner {
   static bool writes_residual_out(const CaseSpec& spec) {
     return !spec.plain_allreduce && (spec.residual || spec.residual_out);
   }
+  static size_t quant_bytes(const CaseSpec& spec) { return size_t(spec.tokens * spec.hidden); }
+  // The dynamic scales a call writes: one a token, or one a group of kQuantGroupSize.
+  static size_t scale_count(const CaseSpec& spec) {
+    switch (spec.quant) {
+      case QuantMode::kPerToken:
+        return size_t(spec.tokens);
+      case QuantMode::kPerTokenGroup128:
+        return size_t(spec.tokens * (spec.hidden / kQuantGroupSize));
+      default:
+        return 0;
+    }
+  }
 
  private:
   struct Buffers {
@@ -149,6 +184,9 @@ class OneShotRunner {
     void* gamma = nullptr;
     void* residual_out = nullptr;
     void* norm_out = nullptr;
+    void* quant_out = nullptr;  // bytes / 2 of them: E4M3 of a 16-bit (or wider) element each
+    void* scales = nullptr;     // fp32 scales: at most one per 8 elements
+    void* scale = nullptr;      // the static scale
     size_t bytes = 0;
     size_t gamma_bytes = 0;
   };
@@ -165,6 +203,9 @@ class OneShotRunner {
       b.residual_out = harness_.allocate(rank, b.bytes);
       b.norm_out = harness_.allocate(rank, b.bytes);
       b.gamma = harness_.allocate(rank, b.gamma_bytes);
+      b.quant_out = harness_.allocate(rank, b.bytes / 2);
+      b.scales = harness_.allocate(rank, b.bytes / 4 + 16);
+      b.scale = harness_.allocate(rank, 16);
     }
     return b;
   }
@@ -191,6 +232,15 @@ class OneShotRunner {
     args.eps = spec.eps;
     args.norm_weight = spec.norm_weight;
     args.algorithm = algorithm;
+    args.quant = spec.quant;
+    if (spec.quant != QuantMode::kNone) {
+      args.quant_out = b.quant_out;
+      if (spec.quant == QuantMode::kStatic) {
+        args.quant_scale = static_cast<const float*>(b.scale);
+      } else {
+        args.scales_out = static_cast<float*>(b.scales);
+      }
+    }
     return allreduce_add_rmsnorm(team, args, stream);
   }
 
@@ -200,6 +250,65 @@ class OneShotRunner {
 };
 
 // Checks one call's outputs against the float64 reference and across ranks (bitwise).
+// The FP8 output against its definition (tpfuse.h, QuantMode), computed here from each rank's
+// norm_out as stored: the scales bit for bit (max |n| of the token or group, floored at
+// kQuantMinAmax, / 448 in fp32), every byte the independent E4M3 reference of n / scale (fp32
+// division), identical bits on every rank. norm_out itself is checked against float64 above.
+inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result) {
+  const int64_t groups = spec.hidden / kQuantGroupSize;
+  for (size_t r = 0; r < result.norm_out.size(); ++r) {
+    const HostTensor& norm = result.norm_out[r];
+    const std::vector<uint8_t>& quant = result.quant_out.at(r);
+    const std::vector<float>& scales = result.scales.at(r);
+    int wrong = 0;
+    for (int64_t t = 0; t < spec.tokens && wrong < 5; ++t) {
+      const auto n = [&](int64_t i) { return float(norm.get(size_t(t * spec.hidden + i))); };
+      const auto scale_over = [&](int64_t begin, int64_t end) {
+        float amax = 0.0f;
+        for (int64_t i = begin; i < end; ++i) {
+          if (!std::isnan(n(i))) amax = std::max(amax, std::fabs(n(i)));
+        }
+        return std::max(amax, kQuantMinAmax) / 448.0f;
+      };
+      for (int64_t i = 0; i < spec.hidden && wrong < 5; ++i) {
+        float scale = spec.static_scale;
+        if (spec.quant == QuantMode::kPerToken) {
+          scale = scale_over(0, spec.hidden);
+          if (i == 0 && impl::float_bits(scales[size_t(t)]) != impl::float_bits(scale)) {
+            ADD_FAILURE() << describe(spec) << " rank " << r << ": scale of token " << t << " is "
+                          << scales[size_t(t)] << ", expected " << scale;
+            ++wrong;
+          }
+        } else if (spec.quant == QuantMode::kPerTokenGroup128) {
+          const int64_t g = i / kQuantGroupSize;
+          scale = scale_over(g * kQuantGroupSize, (g + 1) * kQuantGroupSize);
+          if (i % kQuantGroupSize == 0 &&
+              impl::float_bits(scales[size_t(t * groups + g)]) != impl::float_bits(scale)) {
+            ADD_FAILURE() << describe(spec) << " rank " << r << ": scale of token " << t
+                          << " group " << g << " is " << scales[size_t(t * groups + g)]
+                          << ", expected " << scale;
+            ++wrong;
+          }
+        }
+        const uint8_t expected = reference_e4m3(n(i) / scale);
+        const uint8_t got = quant[size_t(t * spec.hidden + i)];
+        if (got != expected) {
+          ADD_FAILURE() << describe(spec) << " rank " << r << ": quant_out[" << t << ", " << i
+                        << "] = 0x" << std::hex << int(got) << ", expected 0x" << int(expected)
+                        << std::dec << " (norm " << n(i) << " / scale " << scale << ")";
+          ++wrong;
+        }
+      }
+    }
+  }
+  for (size_t r = 1; r < result.quant_out.size(); ++r) {
+    EXPECT_TRUE(result.quant_out[r] == result.quant_out[0])
+        << describe(spec) << ": quant_out of rank " << r << " differs in bits from rank 0";
+    EXPECT_TRUE(result.scales[r] == result.scales[0])
+        << describe(spec) << ": the scales of rank " << r << " differ from rank 0's";
+  }
+}
+
 inline void expect_correct(const CaseSpec& spec, const CaseData& data, const CaseResult& result) {
   const double u = unit_roundoff(spec.dtype);
   const double accumulation = std::ldexp(1.0, -20);  // fp32 sums of <= 17 terms
@@ -244,6 +353,7 @@ inline void expect_correct(const CaseSpec& spec, const CaseData& data, const Cas
     EXPECT_TRUE(result.residual_out[r].bytes == result.residual_out[0].bytes)
         << describe(spec) << ": residual_out of rank " << r << " differs in bits from rank 0";
   }
+  if (spec.quant != QuantMode::kNone) expect_quant_correct(spec, result);
 }
 
 inline constexpr std::array<int64_t, 12> kHiddenSizes = {8,    24,   40,   136,  1000,  3072,
@@ -577,6 +687,47 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
     if (spec.residual_out) {
       EXPECT_TRUE(local_residual.bytes == automatic.residual_out[0].bytes) << describe(spec);
     }
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// The FP8 output in each mode: random shapes (hidden a multiple of 128 with an odd number of
+// groups among them, tokens not a multiple of 4), residual or not, both weights, in place or
+// not; static scales small enough to saturate some elements (0.004: norms past 1.8), and every
+// fifth case a token of zeros on every rank (the dynamic scales' floor, zero bytes). Every check
+// of expect_correct and expect_quant_correct.
+inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  const QuantMode modes[] = {QuantMode::kStatic, QuantMode::kPerToken,
+                             QuantMode::kPerTokenGroup128};
+  const int64_t widths[] = {128, 384, 1152, 3072, 4096};
+  for (int c = 0; c < cases; ++c) {
+    CaseSpec spec;
+    spec.dtype = kDTypes[rng() % kDTypes.size()];
+    spec.hidden = widths[rng() % std::size(widths)];
+    spec.tokens = 1 + int64_t(rng() % 23);
+    spec.residual = rng() % 4 != 0;
+    spec.residual_out = spec.residual || rng() % 2 == 0;
+    spec.norm_in_place = rng() % 4 == 0;
+    spec.residual_in_place = spec.residual && rng() % 4 == 0;
+    spec.norm_weight = rng() % 3 == 0 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
+    spec.quant = modes[c % 3];
+    spec.static_scale = rng() % 2 ? 0.004f : 0.02f;
+    spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
+    CaseData data = random_case(rng, spec, harness.world_size());
+    if (c % 5 == 4) {
+      // Token 0 all zeros on every rank (residual too): the scale's floor, zero bytes.
+      for (int r = 0; r < harness.world_size(); ++r) {
+        std::memset(data.inputs[r].data(), 0, size_t(spec.hidden) * dtype_size(spec.dtype));
+      }
+      if (spec.residual) {
+        for (auto& residual : data.residuals) {
+          std::memset(residual.data(), 0, size_t(spec.hidden) * dtype_size(spec.dtype));
+        }
+      }
+    }
+    expect_correct(spec, data, runner.run(spec, data));
     if (::testing::Test::HasFailure()) return;
   }
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +82,33 @@ inline HostTensor random_tensor(std::mt19937_64& rng, DType dtype, size_t count,
 
 // Poison: a finite value no correct output holds by chance (0x5a5a... is about 1.5e16 in bf16
 // and fp32, 203.25 in fp16), so an unwritten output element fails the comparison.
+// An E4M3 reference independent of tpfuse's conversion: the nearest of the 127 non-negative
+// finite codes by value in double (they increase with the code), ties to the even code,
+// saturating at 448, NaN to 0x7f, the sign copied.
+inline uint8_t reference_e4m3(float x) {
+  static const std::vector<double> values = [] {
+    std::vector<double> v;
+    for (int code = 0; code <= 0x7e; ++code) {
+      const int exponent = code >> 3, mantissa = code & 7;
+      v.push_back(exponent == 0 ? std::ldexp(double(mantissa), -9)
+                                : std::ldexp(1.0 + mantissa / 8.0, exponent - 7));
+    }
+    return v;
+  }();
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double magnitude = std::fabs(double(x));
+  if (magnitude >= 464.0) return uint8_t(sign | 0x7e);
+  // The first code not below the magnitude, and the one before it: the nearest is one of them.
+  const int above = int(std::lower_bound(values.begin(), values.end(), magnitude) - values.begin());
+  if (above == 0) return sign;
+  if (above > 0x7e) return uint8_t(sign | 0x7e);
+  const int below = above - 1;
+  const double up = values[size_t(above)] - magnitude, down = magnitude - values[size_t(below)];
+  const int code = up < down ? above : down < up ? below : (above % 2 == 0 ? above : below);
+  return uint8_t(sign | code);
+}
+
 inline HostTensor poisoned(DType dtype, size_t count) {
   HostTensor t(dtype, count);
   std::memset(t.data(), 0x5a, t.bytes.size());

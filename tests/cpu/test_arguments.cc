@@ -144,6 +144,79 @@ TEST_F(Arguments, AddRmsNormRejectsEachBadArgument) {
   expect_rejected([](auto& a) { a.algorithm = Algorithm(9); }, "algorithm 9 is not an Algorithm");
 }
 
+TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
+  alignas(16) static uint8_t quant[2 * 128 + 16];
+  alignas(16) static float scales[8];
+  static const float scale = 0.5f;
+  const auto with = [&](QuantMode mode) {
+    return [&, mode](AddRmsNormArgs& a) {
+      a.quant = mode;
+      a.quant_out = quant;
+      if (mode == QuantMode::kStatic) {
+        a.quant_scale = &scale;
+      } else {
+        a.scales_out = scales;
+      }
+    };
+  };
+  const auto then = [](auto first, auto second) {
+    return [=](AddRmsNormArgs& a) {
+      first(a);
+      second(a);
+    };
+  };
+  expect_rejected([](auto& a) { a.quant = QuantMode(7); }, "quant 7 is not a QuantMode");
+  expect_rejected([](auto& a) { a.quant_out = quant; },
+                  "quant_out, quant_scale or scales_out given but quant is none");
+  expect_rejected(then(with(QuantMode::kStatic), [](auto& a) { a.quant_out = nullptr; }),
+                  "quant_out is null but quant is fp8 static");
+  expect_rejected(then(with(QuantMode::kStatic), [](auto& a) { a.quant_out = quant + 4; }),
+                  "quant_out must be 16-byte aligned");
+  expect_rejected(then(with(QuantMode::kStatic), [](auto& a) { a.quant_scale = nullptr; }),
+                  "quant_scale is null: quant fp8 static needs the scale");
+  expect_rejected(then(with(QuantMode::kStatic), [](auto& a) { a.scales_out = scales; }),
+                  "scales_out is given but quant fp8 static computes no scales");
+  expect_rejected(then(with(QuantMode::kPerToken), [](auto& a) { a.scales_out = nullptr; }),
+                  "scales_out is null: quant fp8 per token writes its scales there");
+  expect_rejected(then(with(QuantMode::kPerToken), [](auto& a) { a.quant_scale = &scale; }),
+                  "quant_scale is given but quant is fp8 per token");
+  expect_rejected(with(QuantMode::kPerTokenGroup128),
+                  "hidden must be a multiple of 128 for quant fp8 per token group of 128, got 64");
+  expect_rejected(
+      then(with(QuantMode::kPerToken), [this](auto& a) { a.quant_out = buffers_.norm_out; }),
+      "quant_out overlaps norm_out");
+  expect_rejected(
+      then(with(QuantMode::kPerToken),
+           [this](auto& a) { a.scales_out = reinterpret_cast<float*>(buffers_.gamma); }),
+      "scales_out overlaps gamma");
+  expect_rejected(then(with(QuantMode::kPerToken),
+                       [](auto& a) { a.scales_out = reinterpret_cast<float*>(quant + 64); }),
+                  "scales_out overlaps quant_out");
+  expect_rejected(
+      then(with(QuantMode::kStatic),
+           [this](auto& a) { a.quant_scale = reinterpret_cast<const float*>(buffers_.norm_out); }),
+      "norm_out overlaps quant_scale");
+  expect_rejected(then(with(QuantMode::kPerToken),
+                       [](auto& a) { a.scales_out = reinterpret_cast<float*>(quant + 258); }),
+                  "scales_out must be 4-byte aligned");
+  // Ranks whose FP8 outputs differ in mode: both are told, naming the field.
+  AddRmsNormArgs args = args_;
+  with(QuantMode::kPerToken)(args);
+  std::string peer_error;
+  std::thread peer([&] {
+    try {
+      allreduce_add_rmsnorm(team_[1], peer_args_);
+    } catch (const Error& error) {
+      peer_error = error.what();
+    }
+  });
+  expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                      "in quant: fp8 per token here, none on rank 1");
+  peer.join();
+  EXPECT_NE(peer_error.find("in quant: none here, fp8 per token on rank 0"), std::string::npos)
+      << peer_error;
+}
+
 TEST_F(Arguments, EmptyBatchesTakeTheirTurnAndMustAgree) {
   AddRmsNormArgs args = args_;
   args.tokens = 0;

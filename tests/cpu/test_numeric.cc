@@ -5,11 +5,14 @@
 #include <cmath>
 #include <random>
 
+#include "reference.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
 
 namespace tpfuse::impl {
 namespace {
+
+using testing::reference_e4m3;
 
 template <typename T>
 void expect_round_trips() {
@@ -64,28 +67,6 @@ TEST(Numeric, RoundsToNearestEven) {
   EXPECT_EQ(from_float<Float16>(std::ldexp(1.5f, -25)).bits, 0x0001);
   EXPECT_EQ(from_float<BFloat16>(1.0f + std::ldexp(1.0f, -8)).bits, 0x3f80);  // tie to even
   EXPECT_EQ(from_float<BFloat16>(1.0f + std::ldexp(3.0f, -8)).bits, 0x3f82);
-}
-
-// An independent E4M3 reference: the nearest of the 127 non-negative finite codes by value in
-// double, ties to the even code, saturating at 448, NaN to 0x7f, the sign copied.
-uint8_t reference_e4m3(float x) {
-  if (std::isnan(x)) return 0x7f;
-  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  const double magnitude = std::fabs(double(x));
-  if (magnitude >= 464.0) return uint8_t(sign | 0x7e);
-  int best = 0;
-  double best_error = magnitude;
-  for (int code = 1; code <= 0x7e; ++code) {
-    const int exponent = code >> 3, mantissa = code & 7;
-    const double value = exponent == 0 ? std::ldexp(double(mantissa), -9)
-                                       : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
-    const double error = std::fabs(magnitude - value);
-    if (error < best_error || (error == best_error && (code & 1) == 0)) {
-      best = code;
-      best_error = error;
-    }
-  }
-  return uint8_t(sign | best);
 }
 
 TEST(Numeric, Fp8E4M3CodesRoundTrip) {

@@ -40,6 +40,10 @@ TEST_P(CpuAlgorithms, OnePlusGammaWeight) {
   check_one_plus_gamma(harness_, seed(3500), 12, 37);
 }
 
+TEST_P(CpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
+  check_fp8_outputs(harness_, seed(3700), 9);
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                                             ::testing::Values(Algorithm::kOneShot,

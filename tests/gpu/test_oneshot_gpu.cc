@@ -101,6 +101,12 @@ TEST_P(GpuAlgorithms, OnePlusGammaWeight) {
   check_one_plus_gamma(harness, 65 + int(GetParam()), 30, 512);
 }
 
+TEST_P(GpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_fp8_outputs(harness, 68 + int(GetParam()), 30);
+}
+
 TEST_P(GpuAlgorithms, AdversarialPayloads) {
   CudaHarness harness(gpus());
   harness.algorithm = GetParam();
@@ -311,6 +317,13 @@ TEST(GpuOneRankTeam, EveryAlgorithmGivesTheLocalEpiloguesBits) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
   check_one_rank_team_is_local(harness, 6200);
+}
+
+// The local kernel's FP8 outputs (a one-rank team runs it).
+TEST(GpuOneRankTeam, Fp8OutputsMatchTheirDefinition) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  check_fp8_outputs(harness, 6300, 30);
 }
 
 TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {

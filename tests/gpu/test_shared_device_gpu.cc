@@ -68,6 +68,14 @@ TEST_P(SharedDevice, OnePlusGammaWeight) {
   check_one_plus_gamma(*harness_, seed(960), 20, max_tokens());
 }
 
+// Every FP8 mode, each algorithm forced (the NCCL path: its local kernel on NCCL's sum).
+TEST_P(SharedDevice, Fp8OutputsMatchTheirDefinition) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot, Algorithm::kNccl}) {
+    harness_->algorithm = algorithm;
+    check_fp8_outputs(*harness_, seed(970) + uint64_t(algorithm), 12);
+  }
+}
+
 TEST_P(SharedDevice, QkNormMatchesFloat64Reference) {
   check_qk_random_cases(*harness_, seed(970), 40);
 }

@@ -14,9 +14,12 @@
 // the same in every epilogue keeps one-shot, two-shot and the local kernel bit-identical.
 #pragma once
 
+#include <cmath>
+
 #include "tpfuse/impl/config.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
+#include "tpfuse/limits.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
@@ -81,13 +84,52 @@ TPF_HOST_DEVICE Vec16 normalize(const float (&x)[Packed<T>::kElements], const Ve
   return pack<T>(out);
 }
 
+// FP8 output of the norm (QuantMode in tpfuse.h): per 16-byte vector of the norm output as
+// stored, its largest magnitude, and its E4M3 bytes at a scale. The dynamic scales come from the
+// largest magnitude of a token or a group; max is exact in any order (fmaxf: a NaN lane does not
+// win), so the scale does not depend on how a backend reduces.
+template <typename T>
+TPF_HOST_DEVICE float vector_amax(const Vec16& normalized) {
+  float lanes[Packed<T>::kElements];
+  unpack<T>(normalized, lanes);
+  float amax = 0.0f;
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) amax = fmaxf(amax, fabsf(lanes[i]));
+  return amax;
+}
+
+TPF_HOST_DEVICE float dynamic_scale(float amax) {
+  return fmaxf(amax, kQuantMinAmax) / kFp8E4M3Max;
+}
+
+// The E4M3 bytes of one vector's elements divided by `scale` (IEEE division: the same bits on
+// the host and the device), packed little-endian: 8 bytes for 16-bit T, 4 for fp32.
+template <typename T>
+struct QuantBytes {
+  uint8_t bytes[Packed<T>::kElements];
+};
+
+template <typename T>
+TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, float scale) {
+  float lanes[Packed<T>::kElements];
+  unpack<T>(normalized, lanes);
+  QuantBytes<T> out;
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) {
+    out.bytes[i] = fp8_e4m3_from_float(lanes[i] / scale).bits;
+  }
+  return out;
+}
+
 // What a row epilogue does, as values: the key a call's arguments give and the traits match.
 struct RowEpilogueKind {
-  bool residual;      // the sum plus a residual (else the sum alone)
-  bool norm;          // an RMSNorm of that (else the rounded sum is the output)
-  NormWeight weight;  // the norm's weight
+  bool residual;       // the sum plus a residual (else the sum alone)
+  bool norm;           // an RMSNorm of that (else the rounded sum is the output)
+  NormWeight weight;   // the norm's weight
+  bool quant = false;  // an FP8 output of the norm too (its mode is the call's: RowCall::quant)
   constexpr bool operator==(const RowEpilogueKind& other) const {
-    return residual == other.residual && norm == other.norm && weight == other.weight;
+    return residual == other.residual && norm == other.norm && weight == other.weight &&
+           quant == other.quant;
   }
 };
 
@@ -95,14 +137,18 @@ struct RowEpilogueKind {
 //   round_sum:  (+ residual), one rounding to T (residual_out, or out without a norm); `acc`
 //               becomes the rounded values and their squares are added to sum_squares;
 //   normalize:  the norm of the rounded values with the row's scale (kHasNorm only).
-template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma>
+//   quantize:   (kHasQuant) the FP8 bytes of the normalized vector (quantize_vector), at the
+//               call's static scale or the token's / group's dynamic one.
+template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma, bool kQuant = false>
 struct RowEpilogue {
-  static_assert(kNorm || (!kResidual && kWeight == NormWeight::kGamma), "no norm: a plain sum");
+  static_assert(kNorm || (!kResidual && kWeight == NormWeight::kGamma && !kQuant),
+                "no norm: a plain sum");
   static constexpr bool kHasResidual = kResidual;
   static constexpr bool kHasNorm = kNorm;
-  static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight};
+  static constexpr bool kHasQuant = kQuant;
+  static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant};
   // How a row that arrives already rounded (the two-shot all-gather) is finished.
-  using Gathered = RowEpilogue<false, kNorm, kWeight>;
+  using Gathered = RowEpilogue<false, kNorm, kWeight, kQuant>;
 
   template <typename T>
   TPF_HOST_DEVICE static Vec16 round_sum(float (&acc)[Packed<T>::kElements], const Vec16& residual,
@@ -129,7 +175,11 @@ struct EpilogueList {};
 // Every row epilogue the kernels are instantiated for.
 using RowEpilogues = EpilogueList<SumEpilogue, RowEpilogue<false, true>, RowEpilogue<true, true>,
                                   RowEpilogue<false, true, NormWeight::kOnePlusGamma>,
-                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma>>;
+                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma>,
+                                  RowEpilogue<false, true, NormWeight::kGamma, true>,
+                                  RowEpilogue<true, true, NormWeight::kGamma, true>,
+                                  RowEpilogue<false, true, NormWeight::kOnePlusGamma, true>,
+                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>>;
 
 // Calls fn(Epilogue{}) with the listed epilogue whose kind is `kind`; false if none is.
 template <typename Fn, typename... Epilogues>

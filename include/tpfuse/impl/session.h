@@ -49,6 +49,7 @@ enum class CallOp : uint32_t {
 
 // A call's signature, as its header carries it. No word is ever the sentinel (each < 2^31):
 //   word[0]: op | dtype << 4 | residual << 8 | norm << 9 | norm weight << 10 | rope << 12
+//            (the QK norm) or the FP8 output's QuantMode << 12 (rows)
 //   word[1]: tokens
 //   word[2]: width (hidden for rows, q_global_size for the QK norm)
 //   word[3]: a 31-bit hash of the words above and of what else the ranks must agree on (eps;
