@@ -98,6 +98,72 @@ def allreduce_add_rmsnorm_(
     )
 
 
+class Quant(enum.IntEnum):
+    """The norm's FP8 E4M3 output (tpfuse::QuantMode): q = e4m3(norm / scale), round to nearest
+    even, saturating at 448. STATIC takes the scale (a float32 tensor of one element); PER_TOKEN
+    and PER_TOKEN_GROUP_128 compute max(amax, 1e-10) / 448 per token, or per group of 128
+    channels ([tokens, hidden / 128], row-major), and return it."""
+
+    STATIC = 1
+    PER_TOKEN = 2
+    PER_TOKEN_GROUP_128 = 3
+
+
+def _quant(quant: Union[str, int], handle: int) -> int:
+    if isinstance(quant, str):
+        names = {q.name.lower(): int(q) for q in Quant}
+        if quant not in names:
+            _reject(handle)
+            raise ValueError(f"quant must be one of {sorted(names)}, got {quant!r}")
+        return names[quant]
+    return int(quant)
+
+
+def allreduce_add_rmsnorm_fp8(
+    team: Union[Team, int],
+    input: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    quant: Union[str, int],
+    scale: Optional[torch.Tensor] = None,
+    algorithm: Union[str, int] = "auto",
+    norm_weight: int = NormWeight.GAMMA,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(norm_out, residual_out, quant_out, scales): allreduce_add_rmsnorm's outputs and the
+    norm's FP8 output (quant_out float8_e4m3fn [tokens, hidden]; scales float32, see Quant;
+    empty for STATIC)."""
+    handle = _handle(team, "allreduce_add_rmsnorm_fp8")
+    return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(
+        handle, input, residual, weight, eps, _quant(quant, handle), scale,
+        _algorithm(algorithm, handle), int(norm_weight),
+    )
+
+
+def allreduce_add_rmsnorm_fp8_(
+    team: Union[Team, int],
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quant: Union[str, int],
+    scale: Optional[torch.Tensor] = None,
+    algorithm: Union[str, int] = "auto",
+    norm_weight: int = NormWeight.GAMMA,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In place as allreduce_add_rmsnorm_ (residual <- sum + residual, input <- norm, which a
+    MoE router reads), and the norm's FP8 output for the experts: (quant_out, scales)."""
+    handle = _handle(team, "allreduce_add_rmsnorm_fp8_")
+    if not isinstance(residual, torch.Tensor):
+        _reject(handle)
+        raise TypeError("tpfuse.allreduce_add_rmsnorm_fp8_: residual must be a tensor (the "
+                        "in-place op writes the sum into it)")
+    return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_(
+        handle, input, residual, weight, eps, _quant(quant, handle), scale,
+        _algorithm(algorithm, handle), int(norm_weight),
+    )
+
+
 def allreduce(
     team: Union[Team, int], input: torch.Tensor, algorithm: Union[str, int] = "auto"
 ) -> torch.Tensor:

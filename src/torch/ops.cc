@@ -170,12 +170,54 @@ void checked_call(const Team& team, Checks&& checks, Call&& call) {
   on_device(team, call);
 }
 
+// The FP8 output of an add-RMSNorm call, when it has one: the mode (QuantMode's value), the
+// static scale, and the outputs the op allocated (quant_out float8_e4m3fn, scales fp32).
+struct Fp8Outputs {
+  int64_t quant = 0;
+  const at::Tensor* scale = nullptr;
+  at::Tensor quant_out;
+  at::Tensor scales;
+};
+
+QuantMode quant_of(int64_t value, const char* op) {
+  TORCH_CHECK(value >= 1 && value <= 3, "tpfuse::", op,
+              ": quant must be 1 (static scale), 2 (per token) or 3 (per token group of 128), got ",
+              value);
+  return QuantMode(value);
+}
+
+// The shapes of an FP8 call's outputs: quant_out as the input, the scales by mode (none for a
+// static scale).
+std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const char* op) {
+  const QuantMode mode = quant_of(quant, op);
+  TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
+              input.sizes());
+  if (mode == QuantMode::kPerToken) return {input.size(0)};
+  if (mode == QuantMode::kPerTokenGroup128) {
+    TORCH_CHECK(input.size(1) % kQuantGroupSize == 0, "tpfuse::", op,
+                ": hidden must be a multiple of ", kQuantGroupSize,
+                " for quant 3 (per token group of 128), got ", input.size(1));
+    return {input.size(0), input.size(1) / kQuantGroupSize};
+  }
+  return {0};
+}
+
+Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale,
+                       const at::Tensor& input, const char* op) {
+  Fp8Outputs out;
+  out.quant = quant;
+  out.scale = scale ? &*scale : nullptr;
+  out.quant_out = at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn));
+  out.scales = at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat));
+  return out;
+}
+
 // Checks an add-RMSNorm call's tensors and runs it into the given outputs.
 void run_add_rmsnorm(
     int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
     const at::Tensor& weight, double eps, int64_t algorithm, int64_t norm_weight,
     const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op,
-    const std::function<void()>& op_checks = [] {}) {
+    const std::function<void()>& op_checks = [] {}, const Fp8Outputs* fp8 = nullptr) {
   const Team team = Registry::instance().get(team_handle, op);
   AddRmsNormArgs args;
   cudaStream_t stream = nullptr;
@@ -206,9 +248,62 @@ void run_add_rmsnorm(
         args.eps = float(eps);
         args.algorithm = algorithm_of(algorithm, op);
         args.norm_weight = norm_weight_of(norm_weight, op);
+        if (fp8 != nullptr) {
+          args.quant = quant_of(fp8->quant, op);
+          args.quant_out = fp8->quant_out.data_ptr();
+          if (args.quant == QuantMode::kStatic) {
+            TORCH_CHECK(fp8->scale != nullptr, "tpfuse::", op,
+                        ": quant 1 (static scale) needs scale, a float32 tensor of one element");
+            const at::Tensor& scale = *fp8->scale;
+            TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "tpfuse::", op,
+                        ": scale must be a float32 tensor of one element, got ",
+                        scale.scalar_type(), " of ", scale.sizes());
+            TORCH_CHECK(scale.device() == input.device(), "tpfuse::", op, ": scale is on ",
+                        scale.device(), ", input on ", input.device());
+            args.quant_scale = scale.data_ptr<float>();
+          } else {
+            TORCH_CHECK(fp8->scale == nullptr, "tpfuse::", op, ": scale is given but quant ",
+                        fp8->quant, " computes its scales (only quant 1 takes one)");
+            args.scales_out = fp8->scales.data_ptr<float>();
+          }
+        }
         stream = stream_for(team, input, op);
       },
       [&] { allreduce_add_rmsnorm(team, args, stream); });
+}
+
+// The norm's FP8 output too (tpfuse::QuantMode): (norm_out, residual_out, quant_out, scales).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8(
+    int64_t team_handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    const at::Tensor& weight, double eps, int64_t quant, const std::optional<at::Tensor>& scale,
+    int64_t algorithm, int64_t norm_weight) {
+  const char* op = "allreduce_add_rmsnorm_fp8";
+  const Fp8Outputs fp8 = fp8_outputs(quant, scale, input, op);
+  at::Tensor norm_out = at::empty_like(input);
+  at::Tensor residual_out = at::empty_like(input);
+  run_add_rmsnorm(
+      team_handle, input, residual ? &*residual : nullptr, weight, eps, algorithm, norm_weight,
+      norm_out, residual_out, op, [] {}, &fp8);
+  return {norm_out, residual_out, fp8.quant_out, fp8.scales};
+}
+
+// In place as allreduce_add_rmsnorm_ (input <- norm, residual <- sum + residual), and the
+// norm's FP8 output: (quant_out, scales).
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_(
+    int64_t team_handle, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+    double eps, int64_t quant, const std::optional<at::Tensor>& scale, int64_t algorithm,
+    int64_t norm_weight) {
+  const char* op = "allreduce_add_rmsnorm_fp8_";
+  const Fp8Outputs fp8 = fp8_outputs(quant, scale, input, op);
+  run_add_rmsnorm(
+      team_handle, input, &residual, weight, eps, algorithm, norm_weight, input, residual, op,
+      [&] {
+        TORCH_CHECK(!input.is_same(residual), "tpfuse::", op,
+                    ": input and residual are the same tensor; the in-place op writes the norm "
+                    "into input and the sum into residual, so they must be two tensors");
+      },
+      &fp8);
+  return {fp8.quant_out, fp8.scales};
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
@@ -367,6 +462,32 @@ void allreduce_add_rmsnorm__meta(int64_t, at::Tensor& input, at::Tensor& residua
              {{"input", &input}, {"residual", &residual}, {"weight", &weight}});
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_meta(
+    int64_t, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    const at::Tensor& weight, double, int64_t quant, const std::optional<at::Tensor>& scale,
+    int64_t, int64_t) {
+  const char* op = "allreduce_add_rmsnorm_fp8";
+  check_meta(op, {{"input", &input},
+                  {"residual", optional_of(residual)},
+                  {"weight", &weight},
+                  {"scale", optional_of(scale)}});
+  return {at::empty_like(input), at::empty_like(input),
+          at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8__meta(
+    int64_t, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double,
+    int64_t quant, const std::optional<at::Tensor>& scale, int64_t, int64_t) {
+  const char* op = "allreduce_add_rmsnorm_fp8_";
+  check_meta(op, {{"input", &input},
+                  {"residual", &residual},
+                  {"weight", &weight},
+                  {"scale", optional_of(scale)}});
+  return {at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat))};
+}
+
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
   return at::empty_like(input);
 }
@@ -462,6 +583,14 @@ TORCH_LIBRARY(tpfuse, m) {
   m.def(
       "allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
       "float eps, int algorithm=0, int norm_weight=0) -> ()");
+  m.def(
+      "allreduce_add_rmsnorm_fp8(int team, Tensor input, Tensor? residual, Tensor weight, "
+      "float eps, int quant, Tensor? scale=None, int algorithm=0, int norm_weight=0) -> "
+      "(Tensor norm_out, Tensor residual_out, Tensor quant_out, Tensor scales)");
+  m.def(
+      "allreduce_add_rmsnorm_fp8_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
+      "float eps, int quant, Tensor? scale=None, int algorithm=0, int norm_weight=0) -> "
+      "(Tensor quant_out, Tensor scales)");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(
       "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_weight, Tensor k_weight, int q_size, "
@@ -488,6 +617,8 @@ TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
+  m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8);
+  m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8_);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -497,6 +628,8 @@ TORCH_LIBRARY_IMPL(tpfuse, CUDA, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm);
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
+  m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8);
+  m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8_);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -506,6 +639,8 @@ TORCH_LIBRARY_IMPL(tpfuse, Meta, m) {
   using namespace tpfuse::torch_ops;
   m.impl("allreduce_add_rmsnorm", &allreduce_add_rmsnorm_meta);
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm__meta);
+  m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8_meta);
+  m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8__meta);
   m.impl("allreduce", &allreduce_meta);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm_meta);
 }

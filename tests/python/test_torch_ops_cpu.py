@@ -203,6 +203,100 @@ class AddRmsNorm(unittest.TestCase):
             tpfuse.allreduce_add_rmsnorm(handle, x, None, weight, 1e-6)
 
 
+def torch_fp8(norm, quant, scale=None):
+    """The FP8 output as torch code writes it, from the norm as stored: (quant_out, scales)."""
+    x = norm.float()
+    if quant == tpfuse.Quant.STATIC:
+        scales = torch.empty(0)
+        q = x / scale
+    elif quant == tpfuse.Quant.PER_TOKEN:
+        scales = x.abs().amax(-1).clamp(min=1e-10) / 448.0
+        q = x / scales[:, None]
+    else:
+        groups = x.reshape(x.shape[0], -1, 128)
+        scales = groups.abs().amax(-1).clamp(min=1e-10) / 448.0
+        q = (groups / scales[..., None]).reshape(x.shape)
+    return q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales
+
+
+class Fp8Outputs(unittest.TestCase):
+    """The norm's FP8 output from torch: the same norm and residual bits as the plain op, and
+    quant_out and scales equal, bit for bit, to torch code quantizing that norm."""
+
+    def test_every_mode_and_algorithm_equals_torch_quantizing_the_norm(self):
+        generator = torch.Generator().manual_seed(3)
+        teams = tpfuse.cpu_team(2)
+        scale = torch.tensor([0.005])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for quant in tpfuse.Quant:
+                for algorithm in ("auto", "oneshot", "twoshot", "nccl"):
+                    tokens, hidden = 7, 384  # 3 groups of 128
+                    inputs = [torch.randn(tokens, hidden, generator=generator).to(dtype)
+                              for _ in range(2)]
+                    residual = torch.randn(tokens, hidden, generator=generator).to(dtype)
+                    weight = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(dtype)
+                    given = scale if quant == tpfuse.Quant.STATIC else None
+                    out = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+                        t, inputs[r], residual, weight, 1e-6, quant.name.lower(), given,
+                        algorithm))
+                    plain = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm(
+                        t, inputs[r], residual, weight, 1e-6, algorithm))
+                    where = f"{dtype} {quant.name} {algorithm}"
+                    for rank in range(2):
+                        norm, residual_out, quant_out, scales = out[rank]
+                        self.assertTrue(torch.equal(norm, plain[rank][0]), where)
+                        self.assertTrue(torch.equal(residual_out, plain[rank][1]), where)
+                        self.assertEqual(quant_out.dtype, torch.float8_e4m3fn)
+                        expected_q, expected_scales = torch_fp8(norm, quant, scale)
+                        self.assertTrue(torch.equal(quant_out.view(torch.uint8),
+                                                    expected_q.view(torch.uint8)), where)
+                        self.assertTrue(torch.equal(scales, expected_scales), where)
+                        self.assertTrue(torch.equal(quant_out.view(torch.uint8),
+                                                    out[0][2].view(torch.uint8)), where)
+        # In place: input <- norm, residual <- sum; the same FP8 bytes.
+        x = [torch.randn(3, 256, generator=generator).to(torch.bfloat16) for _ in range(2)]
+        res = [torch.randn(3, 256, generator=generator).to(torch.bfloat16)] * 2
+        weight = torch.ones(256, dtype=torch.bfloat16)
+        functional = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+            t, x[r], res[r], weight, 1e-6, "per_token_group_128"))
+        copies = [(x[r].clone(), res[r].clone()) for r in range(2)]
+        in_place = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8_(
+            t, copies[r][0], copies[r][1], weight, 1e-6, tpfuse.Quant.PER_TOKEN_GROUP_128))
+        for rank in range(2):
+            self.assertTrue(torch.equal(copies[rank][0], functional[rank][0]))
+            self.assertTrue(torch.equal(copies[rank][1], functional[rank][1]))
+            self.assertTrue(torch.equal(in_place[rank][0].view(torch.uint8),
+                                        functional[rank][2].view(torch.uint8)))
+            self.assertTrue(torch.equal(in_place[rank][1], functional[rank][3]))
+        for team in teams:
+            team.close()
+
+    def test_bad_fp8_arguments_are_named(self):
+        (team,) = tpfuse.cpu_team(1)
+        x = torch.randn(2, 256, dtype=torch.bfloat16)
+        weight = torch.ones(256, dtype=torch.bfloat16)
+        cases = [
+            (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static"),
+             "quant 1 \\(static scale\\) needs scale"),
+            (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static",
+                                                      torch.ones(2)), "scale must be a float32 "
+             "tensor of one element"),
+            (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "per_token",
+                                                      torch.ones(1)), "scale is given but quant 2"),
+            (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x[:, :192], x[:, :192],
+                                                      weight[:192], 1e-6, 3),
+             "hidden must be a multiple of 128"),
+            (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, 7),
+             "quant must be 1 \\(static scale\\), 2 \\(per token\\) or 3"),
+        ]
+        for call, message in cases:
+            with self.assertRaisesRegex(RuntimeError, message):
+                call()
+        with self.assertRaisesRegex(ValueError, "quant must be one of"):
+            tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "fp8")
+        team.close()
+
+
 class RanksThatGoWrong(unittest.TestCase):
     """A rank that rejects its call (in torch's checks, tpfuse's, or Python's) still takes its
     turn: its peers' call ends at once with an error naming it, and the team goes on. Ranks that
@@ -453,6 +547,17 @@ class Compile(unittest.TestCase):
             torch.ops.tpfuse.allreduce_add_rmsnorm.default,
             (self.team.handle, x, x, weight, 1e-6, 0, 1),
         )
+        x128 = torch.randn(3, 256, dtype=torch.bfloat16)
+        w128 = torch.ones(256, dtype=torch.bfloat16)
+        for quant, scale in ((1, torch.tensor([0.01])), (2, None), (3, None)):
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default,
+                (self.team.handle, x128, x128, w128, 1e-6, quant, scale),
+            )
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_.default,
+                (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale),
+            )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(
             torch.ops.tpfuse.allreduce_qk_rmsnorm.default,
