@@ -30,6 +30,9 @@ def parse(path):
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             name = re.sub(r"_GLOBAL__N__[0-9a-f]+_|_cu_[0-9a-f]+", "", m.group(1)); spill = 0
+            # An epilogue without an FP8 output names its kQuant = false since that parameter
+            # came: the same kernel as before it.
+            name = re.sub(r"(NormWeightE\d)ELb0E", r"\1E", name)
             continue
         m = re.search(r"(\d+) bytes spill stores", line)
         if m and name: spill = int(m.group(1))
@@ -41,8 +44,8 @@ for f in files:
     common = [k for k in base if k in this]
     deltas = collections.Counter(this[k][0] - base[k][0] for k in common)
     spills = sum(1 for k in common if this[k][1] > base[k][1])
-    print(f"{f}: {len(common)} kernels in both; register change -> count {sorted(deltas.items())}; "
-          f"{spills} spill more")
+    print(f"{f}: {len(common)} kernels in both, {len(this) - len(common)} only here; register "
+          f"change -> count {sorted(deltas.items())}; {spills} spill more")
     for k in common:  # the decode kernels: bf16, world 2
         if re.search(r"BFloat16ELi2E", k) and this[k] != base[k] and not re.search(r"Li[48]EEEv", k):
             print(f"   {base[k]} -> {this[k]}  {re.sub(r'^.*kernelI', '', k)[:80]}")

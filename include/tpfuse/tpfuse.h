@@ -234,7 +234,11 @@ const char* norm_weight_name(NormWeight weight);
 //   kStatic:           q = e4m3(n / scale), one scale given (as engines pass a calibrated one);
 //   kPerToken:         scale[t] = max(amax(n[t, :]), 1e-10) / 448, written;
 //   kPerTokenGroup128: scale[t, g] = max(amax(n[t, 128 g : 128 g + 128]), 1e-10) / 448, written
-//                      row-major [tokens, hidden / 128] (DeepSeek-V3 / MiniMax-M2's block format).
+//                      [tokens, hidden / 128] (DeepSeek-V3 / MiniMax-M2's block format),
+//                      row-major (index t * groups + g, as Triton block-FP8 GEMMs index a
+//                      [tokens, groups] tensor) or, with scales_column_major, column-major
+//                      (index g * tokens + t: token-major, as CUTLASS's and DeepGEMM's Hopper
+//                      blockwise FP8 GEMMs read activation scales).
 // n is the norm output as stored (norm_out, rounded to dtype), so q is exactly what quantizing
 // norm_out gives; e4m3 rounds to nearest even and saturates at ±448 (NaN stays NaN, 0x7f). The
 // division is IEEE fp32 on every backend: the same bits from the CPU and the GPU for the same n.
@@ -254,6 +258,7 @@ struct AddRmsNormArgs {
   void* quant_out = nullptr;
   const float* quant_scale = nullptr;
   float* scales_out = nullptr;
+  bool scales_column_major = false;  // kPerTokenGroup128's layout (above)
   int64_t tokens = 0;
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;

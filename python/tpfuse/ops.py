@@ -129,14 +129,16 @@ def allreduce_add_rmsnorm_fp8(
     scale: Optional[torch.Tensor] = None,
     algorithm: Union[str, int] = "auto",
     norm_weight: int = NormWeight.GAMMA,
+    column_major_scales: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(norm_out, residual_out, quant_out, scales): allreduce_add_rmsnorm's outputs and the
     norm's FP8 output (quant_out float8_e4m3fn [tokens, hidden]; scales float32, see Quant;
-    empty for STATIC)."""
+    empty for STATIC; PER_TOKEN_GROUP_128's [tokens, hidden / 128] column-major with
+    column_major_scales, as CUTLASS's and DeepGEMM's blockwise FP8 GEMMs read them)."""
     handle = _handle(team, "allreduce_add_rmsnorm_fp8")
     return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(
         handle, input, residual, weight, eps, _quant(quant, handle), scale,
-        _algorithm(algorithm, handle), int(norm_weight),
+        bool(column_major_scales), _algorithm(algorithm, handle), int(norm_weight),
     )
 
 
@@ -150,6 +152,7 @@ def allreduce_add_rmsnorm_fp8_(
     scale: Optional[torch.Tensor] = None,
     algorithm: Union[str, int] = "auto",
     norm_weight: int = NormWeight.GAMMA,
+    column_major_scales: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """In place as allreduce_add_rmsnorm_ (residual <- sum + residual, input <- norm, which a
     MoE router reads), and the norm's FP8 output for the experts: (quant_out, scales)."""
@@ -160,7 +163,7 @@ def allreduce_add_rmsnorm_fp8_(
                         "in-place op writes the sum into it)")
     return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_(
         handle, input, residual, weight, eps, _quant(quant, handle), scale,
-        _algorithm(algorithm, handle), int(norm_weight),
+        bool(column_major_scales), _algorithm(algorithm, handle), int(norm_weight),
     )
 
 

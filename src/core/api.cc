@@ -166,6 +166,7 @@ RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args) {
   call.quant_out = args.quant_out;
   call.quant_scale = args.quant_scale;
   call.scales_out = args.scales_out;
+  call.scales_column_major = args.scales_column_major;
   return call;
 }
 

@@ -29,6 +29,7 @@ struct RowCall {
   void* quant_out;
   const float* quant_scale;
   float* scales_out;
+  bool scales_column_major;
 };
 
 // A QK-norm call (or one of its local halves).

@@ -112,6 +112,10 @@ void validate_quant(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
       "scales_out is null: quant " << quant_mode_name(args.quant) << " writes its scales there");
   TPF_CHECK_ARG(!static_scale || args.scales_out == nullptr, op,
                 "scales_out is given but quant fp8 static computes no scales");
+  TPF_CHECK_ARG(!args.scales_column_major || args.quant == QuantMode::kPerTokenGroup128, op,
+                "scales_column_major is a layout of quant fp8 per token group of 128's scales, "
+                "but quant is "
+                    << quant_mode_name(args.quant));
   if (args.quant == QuantMode::kPerTokenGroup128) {
     TPF_CHECK_ARG(args.hidden % kQuantGroupSize == 0, op,
                   "hidden must be a multiple of " << kQuantGroupSize << " for quant "

@@ -70,7 +70,7 @@ void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_
           amax = fmaxf(amax, vector_amax<T>(normalized[size_t(v)]));
         }
         const float scale = dynamic_scale(amax);
-        p.scales_out[token * groups + g] = scale;
+        p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] = scale;
         for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) store(v, scale);
       }
       break;

@@ -162,7 +162,9 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       if (mine) {
         store(i, scale);
         if (owned(i) % kGroupLanes == 0) {
-          p.scales_out[token * groups + owned(i) / kGroupLanes] = scale;
+          const int64_t group = owned(i) / kGroupLanes;
+          p.scales_out[p.scales_column_major ? group * p.tokens + token : token * groups + group] =
+              scale;
         }
       }
     }

@@ -174,6 +174,7 @@ void checked_call(const Team& team, Checks&& checks, Call&& call) {
 // static scale, and the outputs the op allocated (quant_out float8_e4m3fn, scales fp32).
 struct Fp8Outputs {
   int64_t quant = 0;
+  bool column_major = false;
   const at::Tensor* scale = nullptr;
   at::Tensor quant_out;
   at::Tensor scales;
@@ -184,6 +185,21 @@ QuantMode quant_of(int64_t value, const char* op) {
               ": quant must be 1 (static scale), 2 (per token) or 3 (per token group of 128), got ",
               value);
   return QuantMode(value);
+}
+
+std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const char* op);
+
+// The scales an FP8 call writes, by mode (none for a static scale): [tokens], or [tokens,
+// hidden / 128] row-major or, column_major, a [hidden / 128, tokens] tensor's transpose.
+at::Tensor empty_scales(int64_t quant, bool column_major, const at::Tensor& input, const char* op) {
+  const QuantMode mode = quant_of(quant, op);
+  TORCH_CHECK(!column_major || mode == QuantMode::kPerTokenGroup128, "tpfuse::", op,
+              ": column_major_scales is a layout of quant 3 (per token group of 128), got quant ",
+              quant);
+  const std::vector<int64_t> shape = scales_shape(quant, input, op);
+  const at::TensorOptions options = input.options().dtype(at::kFloat);
+  if (column_major) return at::empty({shape[1], shape[0]}, options).t();
+  return at::empty(shape, options);
 }
 
 // The shapes of an FP8 call's outputs: quant_out as the input, the scales by mode (none for a
@@ -202,13 +218,14 @@ std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const 
   return {0};
 }
 
-Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale,
+Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bool column_major,
                        const at::Tensor& input, const char* op) {
   Fp8Outputs out;
   out.quant = quant;
+  out.column_major = column_major;
   out.scale = scale ? &*scale : nullptr;
   out.quant_out = at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn));
-  out.scales = at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat));
+  out.scales = empty_scales(quant, column_major, input, op);
   return out;
 }
 
@@ -265,6 +282,7 @@ void run_add_rmsnorm(
             TORCH_CHECK(fp8->scale == nullptr, "tpfuse::", op, ": scale is given but quant ",
                         fp8->quant, " computes its scales (only quant 1 takes one)");
             args.scales_out = fp8->scales.data_ptr<float>();
+            args.scales_column_major = fp8->column_major;
           }
         }
         stream = stream_for(team, input, op);
@@ -276,9 +294,9 @@ void run_add_rmsnorm(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8(
     int64_t team_handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, double eps, int64_t quant, const std::optional<at::Tensor>& scale,
-    int64_t algorithm, int64_t norm_weight) {
+    bool column_major_scales, int64_t algorithm, int64_t norm_weight) {
   const char* op = "allreduce_add_rmsnorm_fp8";
-  const Fp8Outputs fp8 = fp8_outputs(quant, scale, input, op);
+  const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, input, op);
   at::Tensor norm_out = at::empty_like(input);
   at::Tensor residual_out = at::empty_like(input);
   run_add_rmsnorm(
@@ -291,10 +309,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm
 // norm's FP8 output: (quant_out, scales).
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_(
     int64_t team_handle, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
-    double eps, int64_t quant, const std::optional<at::Tensor>& scale, int64_t algorithm,
-    int64_t norm_weight) {
+    double eps, int64_t quant, const std::optional<at::Tensor>& scale, bool column_major_scales,
+    int64_t algorithm, int64_t norm_weight) {
   const char* op = "allreduce_add_rmsnorm_fp8_";
-  const Fp8Outputs fp8 = fp8_outputs(quant, scale, input, op);
+  const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, input, op);
   run_add_rmsnorm(
       team_handle, input, &residual, weight, eps, algorithm, norm_weight, input, residual, op,
       [&] {
@@ -465,7 +483,7 @@ void allreduce_add_rmsnorm__meta(int64_t, at::Tensor& input, at::Tensor& residua
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_meta(
     int64_t, const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, double, int64_t quant, const std::optional<at::Tensor>& scale,
-    int64_t, int64_t) {
+    bool column_major_scales, int64_t, int64_t) {
   const char* op = "allreduce_add_rmsnorm_fp8";
   check_meta(op, {{"input", &input},
                   {"residual", optional_of(residual)},
@@ -473,19 +491,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm
                   {"scale", optional_of(scale)}});
   return {at::empty_like(input), at::empty_like(input),
           at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
-          at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat))};
+          empty_scales(quant, column_major_scales, input, op)};
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8__meta(
     int64_t, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double,
-    int64_t quant, const std::optional<at::Tensor>& scale, int64_t, int64_t) {
+    int64_t quant, const std::optional<at::Tensor>& scale, bool column_major_scales, int64_t,
+    int64_t) {
   const char* op = "allreduce_add_rmsnorm_fp8_";
   check_meta(op, {{"input", &input},
                   {"residual", &residual},
                   {"weight", &weight},
                   {"scale", optional_of(scale)}});
   return {at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
-          at::empty(scales_shape(quant, input, op), input.options().dtype(at::kFloat))};
+          empty_scales(quant, column_major_scales, input, op)};
 }
 
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
@@ -585,11 +604,13 @@ TORCH_LIBRARY(tpfuse, m) {
       "float eps, int algorithm=0, int norm_weight=0) -> ()");
   m.def(
       "allreduce_add_rmsnorm_fp8(int team, Tensor input, Tensor? residual, Tensor weight, "
-      "float eps, int quant, Tensor? scale=None, int algorithm=0, int norm_weight=0) -> "
+      "float eps, int quant, Tensor? scale=None, bool column_major_scales=False, int algorithm=0, "
+      "int norm_weight=0) -> "
       "(Tensor norm_out, Tensor residual_out, Tensor quant_out, Tensor scales)");
   m.def(
       "allreduce_add_rmsnorm_fp8_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
-      "float eps, int quant, Tensor? scale=None, int algorithm=0, int norm_weight=0) -> "
+      "float eps, int quant, Tensor? scale=None, bool column_major_scales=False, int algorithm=0, "
+      "int norm_weight=0) -> "
       "(Tensor quant_out, Tensor scales)");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(

@@ -36,6 +36,7 @@ struct CaseSpec {
   NormWeight norm_weight = NormWeight::kGamma;
   QuantMode quant = QuantMode::kNone;  // an FP8 output of the norm too
   float static_scale = 0.01f;          // QuantMode::kStatic's scale
+  bool scales_column_major = false;    // QuantMode::kPerTokenGroup128's layout
 };
 
 struct CaseData {
@@ -239,6 +240,7 @@ class OneShotRunner {
         args.quant_scale = static_cast<const float*>(b.scale);
       } else {
         args.scales_out = static_cast<float*>(b.scales);
+        args.scales_column_major = spec.scales_column_major;
       }
     }
     return allreduce_add_rmsnorm(team, args, stream);
@@ -282,11 +284,11 @@ inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result)
         } else if (spec.quant == QuantMode::kPerTokenGroup128) {
           const int64_t g = i / kQuantGroupSize;
           scale = scale_over(g * kQuantGroupSize, (g + 1) * kQuantGroupSize);
-          if (i % kQuantGroupSize == 0 &&
-              impl::float_bits(scales[size_t(t * groups + g)]) != impl::float_bits(scale)) {
+          const size_t at = size_t(spec.scales_column_major ? g * spec.tokens + t : t * groups + g);
+          if (i % kQuantGroupSize == 0 && impl::float_bits(scales[at]) != impl::float_bits(scale)) {
             ADD_FAILURE() << describe(spec) << " rank " << r << ": scale of token " << t
-                          << " group " << g << " is " << scales[size_t(t * groups + g)]
-                          << ", expected " << scale;
+                          << " group " << g << " is " << scales[at] << ", expected " << scale
+                          << (spec.scales_column_major ? " (column-major)" : "");
             ++wrong;
           }
         }
@@ -714,6 +716,7 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
     spec.norm_weight = rng() % 3 == 0 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
     spec.quant = modes[c % 3];
     spec.static_scale = rng() % 2 ? 0.004f : 0.02f;
+    spec.scales_column_major = spec.quant == QuantMode::kPerTokenGroup128 && rng() % 2 == 0;
     spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
     CaseData data = random_case(rng, spec, harness.world_size());
     if (c % 5 == 4) {

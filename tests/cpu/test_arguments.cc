@@ -199,6 +199,8 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
   expect_rejected(then(with(QuantMode::kPerToken),
                        [](auto& a) { a.scales_out = reinterpret_cast<float*>(quant + 258); }),
                   "scales_out must be 4-byte aligned");
+  expect_rejected(then(with(QuantMode::kPerToken), [](auto& a) { a.scales_column_major = true; }),
+                  "scales_column_major is a layout of quant fp8 per token group of 128's scales");
   // Ranks whose FP8 outputs differ in mode: both are told, naming the field.
   AddRmsNormArgs args = args_;
   with(QuantMode::kPerToken)(args);

@@ -262,6 +262,16 @@ class Fp8Outputs(unittest.TestCase):
         copies = [(x[r].clone(), res[r].clone()) for r in range(2)]
         in_place = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8_(
             t, copies[r][0], copies[r][1], weight, 1e-6, tpfuse.Quant.PER_TOKEN_GROUP_128))
+        # Column-major group scales: the same values, token-major in memory.
+        columns = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+            t, x[r], res[r], weight, 1e-6, "per_token_group_128", column_major_scales=True))
+        for rank in range(2):
+            scales = columns[rank][3]
+            self.assertEqual(tuple(scales.shape), (3, 2))
+            self.assertEqual(scales.stride(), (1, 3))
+            self.assertTrue(torch.equal(scales, functional[rank][3]))
+            self.assertTrue(torch.equal(columns[rank][2].view(torch.uint8),
+                                        functional[rank][2].view(torch.uint8)))
         for rank in range(2):
             self.assertTrue(torch.equal(copies[rank][0], functional[rank][0]))
             self.assertTrue(torch.equal(copies[rank][1], functional[rank][1]))
@@ -549,14 +559,15 @@ class Compile(unittest.TestCase):
         )
         x128 = torch.randn(3, 256, dtype=torch.bfloat16)
         w128 = torch.ones(256, dtype=torch.bfloat16)
-        for quant, scale in ((1, torch.tensor([0.01])), (2, None), (3, None)):
+        for quant, scale, columns in ((1, torch.tensor([0.01]), False), (2, None, False),
+                                      (3, None, False), (3, None, True)):
             torch.library.opcheck(
                 torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default,
-                (self.team.handle, x128, x128, w128, 1e-6, quant, scale),
+                (self.team.handle, x128, x128, w128, 1e-6, quant, scale, columns),
             )
             torch.library.opcheck(
                 torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_.default,
-                (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale),
+                (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale, columns),
             )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(
