@@ -274,7 +274,10 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
                               {"residual", args.residual},
                               {"gamma", args.gamma},
                               {"residual_out", args.residual_out},
-                              {"norm_out", args.norm_out}},
+                              {"norm_out", args.norm_out},
+                              {"quant_out", args.quant_out},
+                              {"quant_scale", args.quant_scale},
+                              {"scales_out", args.scales_out}},
                              stream, op);
   } catch (const Error&) {
     take_rejected_turn(state, args.algorithm, args.tokens, args.hidden, args.dtype, stream, op);
