@@ -244,6 +244,26 @@ QkNormArgs minimax_qk_args(const QkShape& shape, void* qkv, const void* gamma, i
 std::vector<int64_t> qk_positions(int64_t tokens);
 std::vector<float> qk_cos_sin_cache();
 
+// The FP8 outputs tpfuse-bench measures (the fused op with QuantMode), their op names, and the
+// static scale it passes (small enough that some elements saturate, as they would in a model).
+constexpr QuantMode kBenchQuantModes[] = {QuantMode::kStatic, QuantMode::kPerToken,
+                                          QuantMode::kPerTokenGroup128};
+constexpr float kBenchStaticScale = 0.01f;
+inline const char* fp8_op_name(QuantMode mode) {
+  switch (mode) {
+    case QuantMode::kStatic:
+      return "allreduce_add_rmsnorm_fp8";
+    case QuantMode::kPerToken:
+      return "allreduce_add_rmsnorm_fp8_token";
+    default:
+      return "allreduce_add_rmsnorm_fp8_group128";
+  }
+}
+// Bytes of the scales buffer that covers every mode for a buffer of `buffer_bytes`.
+inline size_t fp8_scales_bytes(size_t buffer_bytes) {
+  return buffer_bytes / 4 + 64;
+}
+
 // Modes. Each fills `info` with the device fields and returns the records in measuring order.
 std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info);
 std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info);

@@ -12,6 +12,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -28,6 +29,8 @@ struct HostBufferSet {
   AlignedBuffer residual;
   AlignedBuffer residual_out;
   AlignedBuffer norm_out;
+  AlignedBuffer quant_out;  // the FP8 output and its scales
+  AlignedBuffer scales;
 };
 
 // The warm-up is one batch: the CPU has no graph to instantiate, only caches and pages to touch.
@@ -101,7 +104,12 @@ void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
     fill_random_host(set.residual.data, elements, plan.dtype, seed + 2, -1.0f, 1.0f);
     fill_random_host(set.residual_out.data, elements, plan.dtype, seed + 3, -1.0f, 1.0f);
     fill_random_host(set.norm_out.data, elements, plan.dtype, seed + 4, -1.0f, 1.0f);
+    set.quant_out = AlignedBuffer(plan.buffer_bytes);
+    set.scales = AlignedBuffer(fp8_scales_bytes(plan.buffer_bytes));
+    std::memset(set.quant_out.data, 0, plan.buffer_bytes);
+    std::memset(set.scales.data, 0, fp8_scales_bytes(plan.buffer_bytes));
   }
+  const float static_scale = kBenchStaticScale;
   // The same gamma on every rank, as a replicated norm weight is in tensor-parallel models.
   AlignedBuffer gamma(size_t(plan.max_hidden) * dtype_size(plan.dtype));
   fill_random_host(gamma.data, plan.max_hidden, plan.dtype, 4, 0.5f, 1.5f);
@@ -131,6 +139,24 @@ void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
             algorithm == Algorithm::kOneShot ? "tpfuse_oneshot_cpu" : "tpfuse_twoshot_cpu", hidden,
             tokens, team.world_size(), us);
         if (algorithm == Algorithm::kOneShot) fused_us = us;
+      }
+
+      // The norm's FP8 output too, in each mode (the selector's algorithm).
+      for (const QuantMode mode : kBenchQuantModes) {
+        if (mode == QuantMode::kPerTokenGroup128 && hidden % kQuantGroupSize != 0) continue;
+        const double us = measure_batches(barrier, plan, true, sets, [&](const auto& set) {
+          AddRmsNormArgs args = fused_args(set, gamma.data, hidden, tokens, plan.dtype);
+          args.quant = mode;
+          args.quant_out = set.quant_out.data;
+          if (mode == QuantMode::kStatic) {
+            args.quant_scale = &static_scale;
+          } else {
+            args.scales_out = static_cast<float*>(set.scales.data);
+          }
+          allreduce_add_rmsnorm(team, args);
+        });
+        team.check();
+        add(fp8_op_name(mode), "tpfuse_auto_cpu", hidden, tokens, team.world_size(), us);
       }
 
       const double local_us = measure_batches(barrier, plan, is_rank0, sets, [&](const auto& set) {

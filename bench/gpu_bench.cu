@@ -90,6 +90,8 @@ struct DeviceBufferSet {
   void* residual = nullptr;
   void* residual_out = nullptr;
   void* norm_out = nullptr;
+  void* quant_out = nullptr;  // the FP8 output and its scales
+  float* scales = nullptr;
 };
 
 // The GPU mode also records whether the library launches with PDL.
@@ -149,6 +151,7 @@ class GpuRank {
   const int64_t* positions() const { return positions_; }
   const float* cos_sin() const { return cos_sin_; }
   float* sums() const { return sums_; }
+  const float* static_scale() const { return static_scale_; }
 #if TPFUSE_BENCH_NCCL
   ncclComm_t comm() const {
     return comm_;
@@ -227,7 +230,14 @@ class GpuRank {
                          1.0f, stream_);
       fill_random_device(set.norm_out, elements, plan.dtype, set_seed + kSeedOutputs + 1, -1.0f,
                          1.0f, stream_);
+      set.quant_out = allocate(plan.buffer_bytes);
+      set.scales = static_cast<float*>(allocate(fp8_scales_bytes(plan.buffer_bytes)));
+      TPF_CHECK_CUDA(cudaMemsetAsync(set.quant_out, 0, plan.buffer_bytes, stream_));
+      TPF_CHECK_CUDA(cudaMemsetAsync(set.scales, 0, fp8_scales_bytes(plan.buffer_bytes), stream_));
     }
+    static_scale_ = static_cast<float*>(allocate(sizeof(float)));
+    TPF_CHECK_CUDA(cudaMemcpyAsync(static_scale_, &kBenchStaticScale, sizeof(float),
+                                   cudaMemcpyHostToDevice, stream_));
     gamma_ = allocate(size_t(plan.max_hidden) * dtype_size(plan.dtype));
     fill_random_device(gamma_, plan.max_hidden, plan.dtype, kSeedGamma, 0.5f, 1.5f, stream_);
     // The QK-norm rows: RoPE positions (spread over the cache), the cos|sin cache, [T,2] sums.
@@ -310,6 +320,7 @@ class GpuRank {
   int64_t* positions_ = nullptr;
   float* cos_sin_ = nullptr;
   float* sums_ = nullptr;
+  float* static_scale_ = nullptr;
   std::vector<void*> allocations_;
 };
 
@@ -375,6 +386,26 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
           records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
         }
         note(impl + 7, us);
+      }
+
+      // The norm's FP8 output too, in each mode (the selector's algorithm): what it adds to the
+      // bf16 fused op above.
+      for (const QuantMode mode : kBenchQuantModes) {
+        if (mode == QuantMode::kPerTokenGroup128 && hidden % kQuantGroupSize != 0) continue;
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.quant = mode;
+          args.quant_out = set.quant_out;
+          if (mode == QuantMode::kStatic) {
+            args.quant_scale = gpu.static_scale();
+          } else {
+            args.scales_out = set.scales;
+          }
+          allreduce_add_rmsnorm(team, args, stream);
+        });
+        team.check();
+        add(fp8_op_name(mode), "tpfuse_auto", hidden, tokens, world_size, us, true);
+        records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
       }
 
 #if TPFUSE_BENCH_NCCL

@@ -32,6 +32,9 @@ OP_LABELS = {
     "allreduce": "AR",
     "add_rmsnorm": "local add+norm",
     "allreduce_qk_rmsnorm": "QK norm",
+    "allreduce_add_rmsnorm_fp8": "AR+add+norm+FP8 static",
+    "allreduce_add_rmsnorm_fp8_token": "AR+add+norm+FP8 per token",
+    "allreduce_add_rmsnorm_fp8_group128": "AR+add+norm+FP8 per group",
 }
 
 
@@ -66,7 +69,7 @@ ROW_OPS = ("allreduce_add_rmsnorm", "allreduce", "add_rmsnorm")
 
 def panel_of(record):
     """(sort key, title) of the panel a record is drawn in."""
-    if record["op"] in ROW_OPS:
+    if record["op"] in ROW_OPS or record["op"].startswith("allreduce_add_rmsnorm_fp8"):
         return (0, record["hidden"], ""), f"hidden {record['hidden']}"
     shape = record.get("shape") or f"hidden {record['hidden']}"
     return (1, record["hidden"], record["op"]), f"{record['op']}\n{shape}"

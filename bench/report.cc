@@ -88,14 +88,21 @@ constexpr Column kColumns[] = {
     {"tpfuse_nccl", "allreduce_add_rmsnorm", "tpfuse_nccl"},
     {"tpfuse_ar", "allreduce", "tpfuse_auto"},
     {"local_norm", "add_rmsnorm", "tpfuse_local"},
+    {"fp8_static", "allreduce_add_rmsnorm_fp8", "tpfuse_auto"},
+    {"fp8_token", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto"},
+    {"fp8_group128", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto"},
     {"tpfuse_cpu", "allreduce_add_rmsnorm", "tpfuse_oneshot_cpu"},
     {"cpu_local", "add_rmsnorm", "cpu_local_add_rmsnorm"},
+    {"fp8_static_cpu", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_cpu"},
+    {"fp8_token_cpu", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_cpu"},
+    {"fp8_group128_cpu", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_cpu"},
 };
 constexpr int kSpeedupAfterColumn = 2;
-constexpr int kCpuFusedColumn = 8;
+constexpr int kCpuFusedColumn = 11;
 
 bool is_row_op(const std::string& op) {
-  return op == "allreduce_add_rmsnorm" || op == "allreduce" || op == "add_rmsnorm";
+  return op == "allreduce_add_rmsnorm" || op == "allreduce" || op == "add_rmsnorm" ||
+         op.rfind("allreduce_add_rmsnorm_fp8", 0) == 0;
 }
 
 // One printed table: a group of ops at one width, its columns, and the figures.

@@ -47,6 +47,7 @@ if ! "$bench" --backend cpu --hidden 3072 --tokens 1,2 --replays 1 --ops-per-gra
   failures=$((failures + 1))
 fi
 for wanted in "hidden 3072, bf16, world 2 (cpu)" "tpfuse_cpu" "tpfuse_twoshot_cpu" "cpu_local" \
+  "fp8_static_cpu" "fp8_token_cpu" "fp8_group128_cpu" \
   "allreduce_qk_rmsnorm, MiniMax-M2 q 3072 + k 512 per rank (48 / 8 heads of 128, world 2)" \
   "tpfuse_fused_rope_cpu"; do
   grep -qF -- "$wanted" "$out/run" || {
