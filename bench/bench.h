@@ -52,7 +52,8 @@ constexpr int64_t kGpuMaxDefaultTokens = 4096;
 constexpr int64_t kGpuMaxTokens = 32768;  // what --tokens may ask for
 constexpr int kGpuMaxDefaultWorld = 8;
 // Defaults of the CPU mode: ranks are threads over host memory, and one call at 256 tokens of
-// hidden 7168 takes about 25 ms on 2 cores; these keep the default run under half a minute there.
+// hidden 7168 takes about 25 ms on 2 cores; these keep the default run, the FP8 outputs
+// included, near a minute there.
 constexpr int kCpuOpsPerGraph = 10;
 constexpr int kCpuReplays = 20;
 constexpr int64_t kCpuMaxDefaultTokens = 256;
