@@ -1,9 +1,10 @@
 // libFuzzer target: argument validation of both fused ops on the CPU backend (a one-rank team,
 // so that no call waits for a peer). Each input picks every argument: pointers into, across and
 // outside a few buffers (aligned, misaligned, overlapping each other and the weights, null),
-// sizes, dtype, eps, algorithm, norm weight, RoPE. A call either throws tpfuse::Error or runs;
-// the sanitizers (address, undefined) catch any read or write outside the buffers, and the
-// buffers' guard bytes any write past an output. Built with -DTPFUSE_FUZZ=ON (clang).
+// sizes, dtype, eps, algorithm, norm weight, the FP8 output, RoPE. A call either throws
+// tpfuse::Error or runs; the sanitizers (address, undefined) catch any read or write outside the
+// buffers, and the buffers' guard bytes any write past an output. Built with -DTPFUSE_FUZZ=ON
+// (clang).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -118,6 +119,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       a.norm_weight = tpfuse::NormWeight(in.take(1) % 3);
       a.tokens = fitting_tokens(a.tokens, a.hidden);
       a.algorithm = tpfuse::Algorithm(in.take(1) % 5);
+      if (in.take(1) % 2 == 0) {
+        // The FP8 output: any mode (an unknown one too), its pointers anywhere.
+        a.quant = tpfuse::QuantMode(in.take(1) % 5);
+        a.quant_out = arena.pointer(in);
+        a.quant_scale = static_cast<const float*>(arena.pointer(in));
+        a.scales_out = static_cast<float*>(arena.pointer(in));
+        a.scales_column_major = in.take(1) % 2 == 0;
+      }
       tpfuse::allreduce_add_rmsnorm(team(), a);
     } else {
       tpfuse::QkNormArgs a;
