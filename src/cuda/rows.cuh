@@ -150,7 +150,7 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
     const int64_t groups = p.hidden / kQuantGroupSize;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      // Uniform over the block: a warp is all past the row or all in it.
+      // The same for every thread of the block, so the shuffles below see whole warps.
       if (int64_t(i) * blockDim.x >= vectors) break;
       const bool mine = owns<kVecsPerThread>(i, vectors);
       float amax = mine ? vector_amax<T>(normalized[i]) : 0.0f;
