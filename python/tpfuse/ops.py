@@ -49,13 +49,18 @@ def _reject(handle: int) -> None:
         pass  # already reporting the rejection; the peers then time out instead
 
 
-def _algorithm(algorithm: Union[str, int], handle: int) -> int:
-    if isinstance(algorithm, str):
-        if algorithm not in ALGORITHMS:
+def _named(value: Union[str, int], names: dict, what: str, handle: int) -> int:
+    """An enum argument given by name or value; an unknown name is this rank's rejected call."""
+    if isinstance(value, str):
+        if value not in names:
             _reject(handle)
-            raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-        return ALGORITHMS[algorithm]
-    return int(algorithm)
+            raise ValueError(f"{what} must be one of {sorted(names)}, got {value!r}")
+        return names[value]
+    return int(value)
+
+
+def _algorithm(algorithm: Union[str, int], handle: int) -> int:
+    return _named(algorithm, ALGORITHMS, "algorithm", handle)
 
 
 def allreduce_add_rmsnorm(
@@ -110,13 +115,7 @@ class Quant(enum.IntEnum):
 
 
 def _quant(quant: Union[str, int], handle: int) -> int:
-    if isinstance(quant, str):
-        names = {q.name.lower(): int(q) for q in Quant}
-        if quant not in names:
-            _reject(handle)
-            raise ValueError(f"quant must be one of {sorted(names)}, got {quant!r}")
-        return names[quant]
-    return int(quant)
+    return _named(quant, {q.name.lower(): int(q) for q in Quant}, "quant", handle)
 
 
 def allreduce_add_rmsnorm_fp8(

@@ -63,46 +63,25 @@ __device__ __forceinline__ void store_vector(void* base, int64_t index, const Ve
   reinterpret_cast<Vec16*>(base)[index] = v;
 }
 
-// Sum over the block, in a fixed order (butterfly within warps, then warp 0 over the warp
-// sums): the same launch shape gives the same bits on every rank and every call.
-__device__ __forceinline__ float block_sum(float value, float* shared_warp_sums) {
+// A reduction over the block in a fixed order (butterfly within warps, then warp 0 over the warp
+// results; warps past the block's count give `identity`): the same launch shape gives the same
+// bits on every rank and every call.
+template <typename Combine>
+__device__ __forceinline__ float block_reduce(float value, float* shared_warp_values,
+                                              float identity, Combine combine) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = (blockDim.x + 31) / 32;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  if (lane == 0) shared_warp_sums[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    value = lane < warps ? shared_warp_sums[lane] : 0.0f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      value += __shfl_xor_sync(0xffffffffu, value, offset);
-    }
-    if (lane == 0) shared_warp_sums[32] = value;
-  }
-  __syncthreads();
-  const float total = shared_warp_sums[32];
-  __syncthreads();  // shared_warp_sums may be reused by the next row
-  return total;
-}
-
-// Largest value over the block (the FP8 output's per-token amax): fmaxf is exact in any order.
-__device__ __forceinline__ float block_max(float value, float* shared_warp_values) {
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int warps = (blockDim.x + 31) / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    value = combine(value, __shfl_xor_sync(0xffffffffu, value, offset));
   if (lane == 0) shared_warp_values[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    value = lane < warps ? shared_warp_values[lane] : 0.0f;
+    value = lane < warps ? shared_warp_values[lane] : identity;
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-      value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+      value = combine(value, __shfl_xor_sync(0xffffffffu, value, offset));
     }
     if (lane == 0) shared_warp_values[32] = value;
   }
@@ -110,6 +89,17 @@ __device__ __forceinline__ float block_max(float value, float* shared_warp_value
   const float total = shared_warp_values[32];
   __syncthreads();  // the shared values may be reused by the next row
   return total;
+}
+
+__device__ __forceinline__ float block_sum(float value, float* shared_warp_sums) {
+  return block_reduce(value, shared_warp_sums, 0.0f, [](float a, float b) { return a + b; });
+}
+
+// Largest value over the block of values >= 0 (the FP8 output's per-token amax): fmaxf is exact
+// in any order.
+__device__ __forceinline__ float block_max(float value, float* shared_warp_values) {
+  return block_reduce(value, shared_warp_values, 0.0f,
+                      [](float a, float b) { return fmaxf(a, b); });
 }
 
 // block_sum of two values at once (one pass, one set of barriers): each component gets exactly

@@ -187,21 +187,6 @@ QuantMode quant_of(int64_t value, const char* op) {
   return QuantMode(value);
 }
 
-std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const char* op);
-
-// The scales an FP8 call writes, by mode (none for a static scale): [tokens], or [tokens,
-// hidden / 128] row-major or, column_major, a [hidden / 128, tokens] tensor's transpose.
-at::Tensor empty_scales(int64_t quant, bool column_major, const at::Tensor& input, const char* op) {
-  const QuantMode mode = quant_of(quant, op);
-  TORCH_CHECK(!column_major || mode == QuantMode::kPerTokenGroup128, "tpfuse::", op,
-              ": column_major_scales is a layout of quant 3 (per token group of 128), got quant ",
-              quant);
-  const std::vector<int64_t> shape = scales_shape(quant, input, op);
-  const at::TensorOptions options = input.options().dtype(at::kFloat);
-  if (column_major) return at::empty({shape[1], shape[0]}, options).t();
-  return at::empty(shape, options);
-}
-
 // The shapes of an FP8 call's outputs: quant_out as the input, the scales by mode (none for a
 // static scale).
 std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const char* op) {
@@ -216,6 +201,19 @@ std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const 
     return {input.size(0), input.size(1) / kQuantGroupSize};
   }
   return {0};
+}
+
+// The scales an FP8 call writes, by mode (none for a static scale): [tokens], or [tokens,
+// hidden / 128] row-major or, column_major, a [hidden / 128, tokens] tensor's transpose.
+at::Tensor empty_scales(int64_t quant, bool column_major, const at::Tensor& input, const char* op) {
+  const QuantMode mode = quant_of(quant, op);
+  TORCH_CHECK(!column_major || mode == QuantMode::kPerTokenGroup128, "tpfuse::", op,
+              ": column_major_scales is a layout of quant 3 (per token group of 128), got quant ",
+              quant);
+  const std::vector<int64_t> shape = scales_shape(quant, input, op);
+  const at::TensorOptions options = input.options().dtype(at::kFloat);
+  if (column_major) return at::empty({shape[1], shape[0]}, options).t();
+  return at::empty(shape, options);
 }
 
 Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bool column_major,
