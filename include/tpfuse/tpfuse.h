@@ -114,8 +114,9 @@ class Team {
   // Empty when the fused kernels can run; otherwise why every op of this team runs through NCCL
   // (decided at creation, the same on every rank).
   const std::string& fallback_reason() const;
-  // How ranks reach each other's memory: "host memory" (CPU backend), "cuda peer access"
-  // (in-process), "nccl window" or "cuda ipc" (multi-process), or "none" (NCCL only).
+  // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
+  // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
+  // ipc" (multi-process), or "none" (NCCL only).
   const std::string& peer_memory() const;
   // Synchronizes with the rank's device work, then throws tpfuse::Error if a call of this rank
   // failed the team: a peer did not arrive in time (naming it), or a peer's call disagreed with
@@ -134,6 +135,22 @@ class Team {
 // A team whose ranks are threads of this process over host memory: the CPU backend. Each rank's
 // calls must come from its own thread (they block until the peers' packets arrive).
 std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options = {});
+
+// A CPU-backend team whose ranks are processes of this host (one rank each), every rank's
+// workspace in one POSIX shared-memory segment: the same protocol and bits as the in-process
+// CPU team. Make the id on one rank (create_cpu_team_id), pass it to the others through any
+// channel (a torch process group, MPI, a file), then create_cpu_team(id, rank, world_size) on
+// every rank with the same world_size and TeamOptions. Collective: each rank waits up to
+// options.peer_timeout_seconds (0: forever) for the others to join, then throws naming the
+// ranks that did not. An id makes one team. The segment's name is removed once every rank has
+// mapped it (or when a rank gives up waiting), so nothing outlives the processes; a peer that
+// dies later is reported as missing (naming its process) by the call that waits for it.
+struct CpuTeamId {
+  char bytes[64];
+};
+CpuTeamId create_cpu_team_id();
+Team create_cpu_team(const CpuTeamId& id, int rank, int world_size,
+                     const TeamOptions& options = {});
 
 // A team of the given CUDA devices driven by this one process (peer access required; its absence
 // is an error naming the pair). Rank i is devices[i].

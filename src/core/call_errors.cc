@@ -79,13 +79,23 @@ std::string describe_mismatch(const ErrorRecord& e, int rank) {
 
 }  // namespace
 
-std::string describe_failure(const ErrorRecord& e, int rank, int device) {
+std::string peer_note(const TeamState& team) {
+  const ErrorRecord& e = *team.exchange.errors;
+  if (!team.peer_status ||
+      CallError(__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE)) != CallError::kTimeout) {
+    return "";
+  }
+  return team.peer_status(int(e.failure_peer));
+}
+
+std::string describe_failure(const ErrorRecord& e, int rank, int device,
+                             const std::string& peer_note) {
   const uint32_t failure = __atomic_load_n(&e.failure, __ATOMIC_ACQUIRE);
   if (CallError(failure) == CallError::kMismatch) return describe_mismatch(e, rank);
   std::ostringstream out;
   out << "rank " << rank;
   if (device >= 0) out << " (device " << device << ")";
-  out << ": a call timed out waiting for rank " << e.failure_peer
+  out << ": a call timed out waiting for rank " << e.failure_peer << peer_note
       << " (it did not make the call: it may have died or hung, or, with an in-process team, "
          "been driven from the thread that waited; each rank needs its own thread); the team is "
          "failed, create a new one";
@@ -95,7 +105,7 @@ std::string describe_failure(const ErrorRecord& e, int rank, int device) {
 void report_call_errors(const TeamState& team) {
   ErrorRecord& e = *team.exchange.errors;
   if (__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE) != 0) {
-    TPF_FAIL(describe_failure(e, team.rank(), team.device));
+    TPF_FAIL(describe_failure(e, team.rank(), team.device, peer_note(team)));
   }
   const uint32_t call_error = __atomic_load_n(&e.call_error, __ATOMIC_ACQUIRE);
   if (CallError(call_error) == CallError::kBadPosition) {

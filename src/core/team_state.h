@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,9 @@ struct TeamState {
   void* nccl_comm = nullptr;
   float* qk_sums = nullptr;
   std::shared_ptr<TeamMemory> memory;
+  // Teams whose ranks are processes: what is known of a peer's process, appended to the report of
+  // a timeout waiting for it (e.g. " (its process, pid 123, has exited)"; empty if nothing is).
+  std::function<std::string(int peer)> peer_status;
 
   int rank() const { return exchange.rank; }
   int world_size() const { return exchange.world_size; }
@@ -71,7 +75,10 @@ inline bool team_failed(const TeamState& team) {
 // rejected call (reported once: the team goes on).
 void report_call_errors(const TeamState& team);
 // The message for a failure of the team, as report_call_errors and the CPU backend throw it
-// (`device` -1 on the CPU).
-std::string describe_failure(const ErrorRecord& errors, int rank, int device);
+// (`device` -1 on the CPU); `peer_note` follows the missing rank of a timeout.
+std::string describe_failure(const ErrorRecord& errors, int rank, int device,
+                             const std::string& peer_note = "");
+// What the team knows of the peer a timeout names (TeamState::peer_status), else empty.
+std::string peer_note(const TeamState& team);
 
 }  // namespace tpfuse::impl

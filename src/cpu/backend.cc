@@ -1,11 +1,25 @@
-// The CPU backend's BackendOps: ranks are threads of one process, calls block the calling rank
-// thread, and there is no stream.
+// The CPU backend's BackendOps: ranks are threads of one process or processes of one host,
+// calls block the calling rank thread, and there is no stream.
+#include <string>
+
 #include "core/backend.h"
 #include "core/error.h"
 #include "cpu/kernels.h"
 
 namespace tpfuse::impl {
 namespace {
+
+// Runs a call; a timeout it throws also says what the team knows of the missing peer's process.
+template <typename Call>
+void noting_peer(const TeamState& team, Call&& call) {
+  try {
+    call();
+  } catch (const Error& error) {
+    const std::string note = peer_note(team);
+    if (note.empty()) throw;
+    throw Error(std::string(error.what()) + note);
+  }
+}
 
 class CpuBackend final : public BackendOps {
  public:
@@ -18,29 +32,30 @@ class CpuBackend final : public BackendOps {
         "stream must be null for " << (team != nullptr ? "a CPU-backend team" : "the CPU backend"));
   }
 
-  void oneshot(const TeamState&, const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
-               cudaStream_t) const override {
-    cpu_oneshot(call, dtype, epilogue);
+  void oneshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, cudaStream_t) const override {
+    noting_peer(team, [&] { cpu_oneshot(call, dtype, epilogue); });
   }
-  void twoshot(const TeamState&, const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
-               cudaStream_t) const override {
-    cpu_twoshot(call, dtype, epilogue);
+  void twoshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, cudaStream_t) const override {
+    noting_peer(team, [&] { cpu_twoshot(call, dtype, epilogue); });
   }
-  void nccl_path(const TeamState&, const RowCall& call, DType dtype,
+  void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
                  const RowEpilogueKind& epilogue, cudaStream_t) const override {
-    cpu_nccl_path(call, dtype, epilogue);
+    noting_peer(team, [&] { cpu_nccl_path(call, dtype, epilogue); });
   }
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                       cudaStream_t) const override {
     cpu_local_epilogue(call, dtype, epilogue);
   }
 
-  void qk_oneshot(const TeamState&, const QkCall& call, DType dtype, cudaStream_t) const override {
-    cpu_qk_rmsnorm(call, dtype, QkPass::kFused);
+  void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
+                  cudaStream_t) const override {
+    noting_peer(team, [&] { cpu_qk_rmsnorm(call, dtype, QkPass::kFused); });
   }
-  void qk_nccl_path(const TeamState&, const QkCall& call, DType dtype,
+  void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
                     cudaStream_t) const override {
-    cpu_qk_nccl_path(call, dtype);
+    noting_peer(team, [&] { cpu_qk_nccl_path(call, dtype); });
   }
   void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t) const override {
     cpu_qk_rmsnorm(call, dtype, pass);
@@ -50,7 +65,7 @@ class CpuBackend final : public BackendOps {
 
   void absent_call(const TeamState& team, const CallSignature& signature,
                    cudaStream_t) const override {
-    cpu_absent_call(team.exchange, signature);
+    noting_peer(team, [&] { cpu_absent_call(team.exchange, signature); });
   }
 
   void check(const TeamState& team) const override { report_call_errors(team); }

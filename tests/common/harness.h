@@ -36,10 +36,37 @@ class Harness {
   Algorithm algorithm = Algorithm::kAuto;
 };
 
+// Every rank of a shared-memory CPU team (create_cpu_team(id, rank, world_size)), each joined
+// from a thread of its own: every rank maps the segment at an address of its own, as the ranks
+// of separate processes do.
+inline std::vector<Team> create_shared_memory_team(int world_size,
+                                                   const TeamOptions& options = {}) {
+  const CpuTeamId id = create_cpu_team_id();
+  std::vector<Team> team(static_cast<size_t>(world_size));
+  std::vector<std::thread> threads;
+  std::exception_ptr first_error;
+  std::mutex mutex;
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        team[rank] = create_cpu_team(id, rank, world_size, options);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!first_error) first_error = std::current_exception();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  if (first_error) std::rethrow_exception(first_error);
+  return team;
+}
+
 class CpuHarness : public Harness {
  public:
   explicit CpuHarness(int world_size, const TeamOptions& options = {})
       : team_(create_cpu_team(world_size, options)) {}
+  // Over a team made elsewhere (a shared-memory team, for one).
+  explicit CpuHarness(std::vector<Team> team) : team_(std::move(team)) {}
   ~CpuHarness() override {
     for (void* block : blocks_) std::free(block);
   }
