@@ -1,7 +1,7 @@
 """End-to-end decode benchmark: a MiniMax-M2-shaped TP model (model.py), unfused against fused.
 
     python3 bench/e2e/decode.py --out-dir tpfuse-results      # one process per GPU it finds
-    python3 bench/e2e/decode.py --cpu --layers 2 ...               # the CPU smoke run (world 1)
+    python3 bench/e2e/decode.py --cpu --world 2 --small ...        # the CPU run (gloo, processes)
 
 Modes (same weights, same inputs):
   nccl      (a) NCCL all-reduce (torch.distributed, in place) + separate norms, as an engine
@@ -113,9 +113,11 @@ class _Gather:
             return x
         import torch.distributed as dist
 
-        out = torch.empty((self.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        # Ranks stacked along dim 0 (the form gloo takes as well as NCCL), then [batch, vocab].
+        out = torch.empty((self.world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
-        return out.permute(1, 0, 2).reshape(x.shape[0], -1)
+        return out.view((self.world,) + tuple(x.shape)).permute(1, 0, 2).reshape(x.shape[0], -1)
 
 
 class Nccl(_Gather, Collectives):
@@ -645,8 +647,11 @@ def parse_args(argv=None):
     parser.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--greedy-steps", type=int, default=32)
-    parser.add_argument("--world", type=int, default=0, help="ranks (default: every GPU)")
-    parser.add_argument("--cpu", action="store_true", help="the CPU smoke run (gloo, world 1)")
+    parser.add_argument("--world", type=int, default=0,
+                        help="ranks (default: every GPU; with --cpu, 1)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the CPU run: gloo, one process a rank, tpfuse's CPU backend over "
+                             "shared memory")
     parser.add_argument("--small", action="store_true", help="a tiny config (smoke tests)")
     parser.add_argument("--sdpa", default="flash",
                         choices=("default", "flash", "efficient", "cudnn", "math"),
@@ -664,7 +669,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.cpu:
-        world = 1
+        world = args.world or 1
     else:
         if not torch.cuda.is_available():
             print("no CUDA GPUs: run with --cpu for the CPU smoke run", file=sys.stderr)

@@ -563,6 +563,25 @@ int64_t create_nccl_team_op(const at::Tensor& unique_id, int64_t rank, int64_t w
                        team_options(packet_bytes, peer_timeout_seconds)));
 }
 
+at::Tensor create_cpu_team_id_op() {
+  const CpuTeamId id = create_cpu_team_id();
+  at::Tensor bytes = at::empty({int64_t(sizeof(id.bytes))}, at::kByte);
+  std::memcpy(bytes.data_ptr(), id.bytes, sizeof(id.bytes));
+  return bytes;
+}
+
+int64_t create_cpu_process_team_op(const at::Tensor& team_id, int64_t rank, int64_t world_size,
+                                   int64_t packet_bytes, double peer_timeout_seconds) {
+  CpuTeamId id;
+  TORCH_CHECK(team_id.scalar_type() == at::kByte && team_id.numel() == sizeof(id.bytes) &&
+                  team_id.device().is_cpu(),
+              "tpfuse::create_cpu_process_team: team_id must be a CPU uint8 tensor of ",
+              sizeof(id.bytes), " bytes (from create_cpu_team_id)");
+  std::memcpy(id.bytes, team_id.contiguous().data_ptr(), sizeof(id.bytes));
+  return Registry::instance().add(create_cpu_team(
+      id, int(rank), int(world_size), team_options(packet_bytes, peer_timeout_seconds)));
+}
+
 // This rank will not make the fused call its peers are making (tpfuse.reject_call).
 void reject_call_op(int64_t handle) {
   const Team team = Registry::instance().get(handle, "reject_call");
@@ -620,6 +639,11 @@ TORCH_LIBRARY(tpfuse, m) {
         &create_cpu_team_op);
   m.def("create_cuda_team(int[] devices, int packet_bytes, float peer_timeout_seconds) -> int[]",
         &create_cuda_team_op);
+  m.def("create_cpu_team_id() -> Tensor", &create_cpu_team_id_op);
+  m.def(
+      "create_cpu_process_team(Tensor team_id, int rank, int world_size, int packet_bytes, "
+      "float peer_timeout_seconds) -> int",
+      &create_cpu_process_team_op);
   m.def("create_unique_id() -> Tensor", &create_unique_id_op);
   m.def(
       "create_nccl_team(Tensor unique_id, int rank, int world_size, int device, int packet_bytes, "

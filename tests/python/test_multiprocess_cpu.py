@@ -1,0 +1,218 @@
+"""The torch path across processes on the CPU: one process per rank over a gloo group at world
+sizes 2, 4 and 8, the team from ``Team.from_group`` (the CPU backend over shared memory). Each
+rank checks the ops against float64 and against every other rank's bits, then compiles a layer
+written as TP model code writes it (all-reduce + add + RMSNorm, MiniMax-M2's QK norm over KV heads
+replicated when they are fewer than the ranks, its partial RoPE) with the passes installed: every
+site rewritten, no all-reduce left, outputs close to the eager unfused layer's, the residual stream
+identical on every rank and k identical on the ranks that hold the same KV head. The team outlives
+its group; bad groups and backends are named."""
+
+import os
+import sys
+import tempfile
+import traceback
+import unittest
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "e2e"))
+from model import rope  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, HIDDEN, TOKENS = 8, 2, 64, 32, 256, 5
+
+
+def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache):
+    """One collective site of each kind, as a TP model writes it (the GPU test's layer)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    residual = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+    hf = residual.float()
+    h = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(residual.dtype) * weight
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    qf, kf = q.float(), k.float()
+    variance = funcol.all_reduce(
+        torch.cat([qf.pow(2).mean(-1, keepdim=True), kf.pow(2).mean(-1, keepdim=True)], dim=-1),
+        "sum",
+        dist.group.WORLD,
+    ) / world
+    q_var, k_var = variance.chunk(2, dim=-1)
+    q = (qf * torch.rsqrt(q_var + 1e-6) * q_weight).to(qkv.dtype)
+    k = (kf * torch.rsqrt(k_var + 1e-6) * k_weight).to(qkv.dtype)
+    q, k = rope(positions, q, k, cache, HEAD_DIM, ROTARY_DIM)
+    return h, residual, q, k
+
+
+def _gathered(tensor, world):
+    import torch.distributed as dist
+
+    out = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(out, tensor.contiguous())
+    return out
+
+
+def _check_ops(team, rank, world):
+    import torch.distributed as dist
+
+    import tpfuse
+
+    generator = torch.Generator().manual_seed(7)  # the same data on every rank, sliced per rank
+    inputs = [torch.randn(TOKENS, HIDDEN, generator=generator) for _ in range(world)]
+    residual = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(torch.bfloat16)
+    x = inputs[rank].to(torch.bfloat16)
+    total = sum(t.to(torch.bfloat16).double() for t in inputs) + residual.double()
+    rounded = total.to(torch.bfloat16).double()
+    expected = rounded * torch.rsqrt(rounded.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = expected * weight.double()
+    bits = None
+    for algorithm in ("oneshot", "twoshot", "nccl", "auto"):
+        poison = torch.full_like(x, float("nan"))
+        norm, residual_out = tpfuse.allreduce_add_rmsnorm(team, x, residual, weight, 1e-6,
+                                                          algorithm)
+        assert not torch.equal(norm, poison)
+        torch.testing.assert_close(norm.double(), expected, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(residual_out.double(), total, atol=3e-2, rtol=1e-2)
+        for other in _gathered(norm, world):
+            assert torch.equal(other, norm), f"{algorithm}: ranks' norms differ"
+        if algorithm in ("oneshot", "twoshot"):  # one rounding: the same bits
+            bits = norm if bits is None else bits
+            assert torch.equal(norm, bits), f"{algorithm} differs from one-shot"
+    # In place: input <- norm, residual <- the sum; the functional op's bits.
+    x_copy, residual_copy = x.clone(), residual.clone()
+    tpfuse.allreduce_add_rmsnorm_(team, x_copy, residual_copy, weight, 1e-6, "oneshot")
+    assert torch.equal(x_copy, bits)
+    # The FP8 output per group of 128: the same bytes and scales on every rank, each scale the
+    # group's amax / 448 of the norm as stored.
+    norm, _, quant_out, scales = tpfuse.allreduce_add_rmsnorm_fp8(
+        team, x, residual, weight, 1e-6, "per_token_group_128")
+    assert torch.equal(norm, bits)
+    expected_scales = norm.float().reshape(TOKENS, -1, 128).abs().amax(-1).clamp(min=1e-10) / 448
+    assert torch.equal(scales, expected_scales)
+    for other in _gathered(quant_out.view(torch.uint8), world):
+        assert torch.equal(other, quant_out.view(torch.uint8)), "FP8 bytes differ across ranks"
+    dist.barrier()
+
+
+def _qkv_slices(rank, world, generator):
+    """This rank's packed [q | k | v] of a layer with HEADS query and KV_HEADS KV heads: its query
+    heads, and its KV head (replicated over world / KV_HEADS ranks when KV heads are fewer)."""
+    q_global = torch.randn(TOKENS, HEADS * HEAD_DIM, generator=generator)
+    k_global = torch.randn(TOKENS, KV_HEADS * HEAD_DIM, generator=generator)
+    v_global = torch.randn(TOKENS, KV_HEADS * HEAD_DIM, generator=generator)
+    heads = HEADS // world
+    kv_heads = max(1, KV_HEADS // world)
+    replicas = max(1, world // KV_HEADS)
+    first_kv = (rank // replicas) * kv_heads
+    q = q_global[:, rank * heads * HEAD_DIM:(rank + 1) * heads * HEAD_DIM]
+    k = k_global[:, first_kv * HEAD_DIM:(first_kv + kv_heads) * HEAD_DIM]
+    v = v_global[:, first_kv * HEAD_DIM:(first_kv + kv_heads) * HEAD_DIM]
+    return torch.cat([q, k, v], dim=-1).to(torch.bfloat16), heads * HEAD_DIM, kv_heads * HEAD_DIM
+
+
+def _check_compiled_layer(team, rank, world):
+    import tpfuse.passes as passes
+
+    generator = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(TOKENS, HIDDEN, generator=generator) for _ in range(world)]
+    residual = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=generator)).to(torch.bfloat16)
+    qkv, q_size, kv_size = _qkv_slices(rank, world, generator)
+    q_weight = (1 + 0.1 * torch.randn(q_size, generator=generator)).to(torch.bfloat16)
+    k_weight = (1 + 0.1 * torch.randn(kv_size, generator=generator)).to(torch.bfloat16)
+    positions = torch.randint(0, 1000, (TOKENS,), generator=generator)
+    angles = torch.rand(1000, ROTARY_DIM // 2, generator=generator) * 6.28
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    args = (inputs[rank].to(torch.bfloat16), residual, weight, qkv, q_weight, k_weight, q_size,
+            kv_size, world, positions, cache)
+    eager = _layer(*args)
+    fusion = passes.install(team)
+    try:
+        torch._dynamo.reset()
+        got = torch.compile(_layer, fullgraph=True)(*args)
+    finally:
+        passes.uninstall()
+    assert fusion.stats == {"allreduce_add_rmsnorm": 1, "allreduce_qk_rmsnorm": 1,
+                            "allreduce_qk_rmsnorm_rope": 1}, fusion.stats
+    (graph,) = fusion.graphs
+    assert graph["before"].count("_c10d_functional.all_reduce.default") == 2, graph["before"]
+    assert "_c10d_functional.all_reduce.default" not in graph["after"], graph["after"]
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g.float(), e.float(), atol=4e-2, rtol=4e-2)
+    h, residual_out, q, k = got
+    for name, tensor in (("h", h), ("residual", residual_out)):
+        for other in _gathered(tensor, world):
+            assert torch.equal(other, tensor), f"the compiled layer's {name} differs across ranks"
+    replicas = max(1, world // KV_HEADS)
+    for other_rank, other in enumerate(_gathered(k, world)):
+        if other_rank // replicas == rank // replicas:
+            assert torch.equal(other, k), f"k differs between ranks {rank} and {other_rank}"
+
+
+def _rank_main(rank, world, store_path, failures):
+    try:
+        import torch.distributed as dist
+
+        import tpfuse
+
+        torch._inductor.config.force_disable_caches = True  # every compile runs the passes
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world)
+        team = tpfuse.Team.from_group()
+        assert (team.rank, team.world_size) == (rank, world), team
+        assert team.peer_memory == "shared memory" and team.fallback_reason == "", team
+        _check_ops(team, rank, world)
+        _check_compiled_layer(team, rank, world)
+        # Wrong backends are named before anything is made.
+        for backend, message in (("tpu", "backend must be 'cuda' or 'cpu'"),
+                                 ("cuda", "needs")):
+            try:
+                tpfuse.Team.from_group(backend=backend)
+                raise AssertionError(f"backend {backend!r} was accepted")
+            except (ValueError, RuntimeError) as error:
+                assert message in str(error), error
+        # The team needs its group only while it is made.
+        dist.destroy_process_group()
+        x = torch.full((2, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
+        total = tpfuse.allreduce(team, x)
+        assert torch.equal(total, torch.full_like(x, world * (world + 1) / 2)), total
+        team.close()
+    except Exception:  # noqa: BLE001 -- reported to the parent
+        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+def run_world(test, world):
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    failures = context.SimpleQueue()
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    processes = [context.Process(target=_rank_main, args=(r, world, store, failures))
+                 for r in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=900)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    messages = []
+    while not failures.empty():
+        messages.append(failures.get())
+    test.assertEqual(messages, [])
+    test.assertEqual([p.exitcode for p in processes], [0] * world)
+
+
+class MultiProcessCpu(unittest.TestCase):
+    def test_world_2(self):
+        run_world(self, 2)
+
+    def test_world_4(self):
+        run_world(self, 4)
+
+    def test_world_8(self):
+        run_world(self, 8)
+
+
+if __name__ == "__main__":
+    unittest.main()
