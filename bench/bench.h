@@ -36,7 +36,7 @@ struct Options {
   BackendChoice backend = BackendChoice::kAuto;
   size_t packet_bytes = size_t{16} << 20;
   double peer_timeout_seconds = 10.0;  // TeamOptions::peer_timeout_seconds (0: unchecked)
-  bool processes = false;              // GPU mode: one process per GPU (create_nccl_team)
+  bool processes = false;              // one process a rank (GPU: create_nccl_team; CPU: an id)
 };
 
 // In --processes mode the launcher starts one copy of the binary per GPU with these set; such a
@@ -193,6 +193,14 @@ void run_rank_threads(int world_size, RankBarrier& barrier,
 // order on every rank): rank 0's median as `us` and, where several ranks took part, the slowest
 // rank's median as `us_max_rank`. Ranks that sat a measurement out hold NaN.
 std::vector<Record> merge_ranks(const std::vector<std::vector<Record>>& per_rank);
+
+// The team options the command line asks for.
+TeamOptions team_options_of(const Options& options);
+
+// A rank process's records as tab-separated lines, for the launcher that merges them
+// (--processes).
+void write_records(const std::string& path, const std::vector<Record>& records);
+std::vector<Record> read_records(const std::string& path);
 
 // Random values in [low, high), never zero, written as `dtype`: deterministic in `seed`.
 void fill_random_host(void* data, int64_t count, DType dtype, uint64_t seed, float low, float high);

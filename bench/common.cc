@@ -4,9 +4,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "bench.h"
+#include "core/error.h"
 #include "random_values.h"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/numeric.h"
@@ -185,6 +188,45 @@ std::vector<float> qk_cos_sin_cache() {
     }
   }
   return cos_sin;
+}
+
+TeamOptions team_options_of(const Options& options) {
+  TeamOptions team_options;
+  team_options.packet_bytes = options.packet_bytes;
+  team_options.peer_timeout_seconds = options.peer_timeout_seconds;
+  return team_options;
+}
+
+void write_records(const std::string& path, const std::vector<Record>& records) {
+  std::FILE* file = std::fopen(path.c_str(), "w");
+  if (file == nullptr) TPF_FAIL("cannot write " << path);
+  for (const Record& r : records) {
+    std::fprintf(file, "%s\t%s\t%lld\t%lld\t%d\t%.17g\t%d\t%s\n", r.op.c_str(), r.impl.c_str(),
+                 static_cast<long long>(r.hidden), static_cast<long long>(r.tokens), r.world_size,
+                 r.us, r.pdl ? int(*r.pdl) : -1, r.chosen.empty() ? "-" : r.chosen.c_str());
+  }
+  std::fclose(file);
+}
+
+std::vector<Record> read_records(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) TPF_FAIL("a rank process left no records in " << path);
+  std::vector<Record> records;
+  std::string line;
+  while (std::getline(file, line)) {
+    std::istringstream fields(line);
+    Record r;
+    std::string us, chosen;
+    int pdl = -1;
+    std::getline(fields, r.op, '\t');
+    std::getline(fields, r.impl, '\t');
+    fields >> r.hidden >> r.tokens >> r.world_size >> us >> pdl >> chosen;
+    r.us = std::strtod(us.c_str(), nullptr);
+    if (pdl >= 0) r.pdl = pdl != 0;
+    if (chosen != "-") r.chosen = chosen;
+    records.push_back(r);
+  }
+  return records;
 }
 
 }  // namespace tpfuse::bench

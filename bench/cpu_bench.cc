@@ -1,4 +1,6 @@
-// CPU mode of tpfuse-bench: the CPU backend, ranks as threads over host memory.
+// CPU mode of tpfuse-bench: the CPU backend, ranks as threads over host memory, or with
+// --processes one process a rank over shared memory (create_cpu_team(id, ...)), as CPU
+// tensor-parallel serving runs.
 //
 // These are figures of the CPU backend (the same protocol and epilogue code as the GPU kernels,
 // run by threads): useful to see the driver work and to compare CPU-backend changes, never to be
@@ -8,11 +10,18 @@
 //
 // WARNING: the one-shot op is a collective: every rank thread makes the same calls in the same
 // order (see gpu_bench.cu); the rank-0-only local measurement still takes every barrier.
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -50,7 +59,7 @@ std::string host_cpu_model() {
 
 // Median batch of `ops` calls of `call` (buffer sets rotating), in µs per op. Inactive ranks
 // return NaN but take part in every barrier.
-double measure_batches(RankBarrier& barrier, const BenchPlan& plan, bool active,
+double measure_batches(Barrier& barrier, const BenchPlan& plan, bool active,
                        const std::array<HostBufferSet, kBufferSets>& sets,
                        const std::function<void(const HostBufferSet&)>& call) {
   barrier.arrive_and_wait();
@@ -87,7 +96,7 @@ AddRmsNormArgs fused_args(const HostBufferSet& set, const void* gamma, int64_t h
   return args;
 }
 
-void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
+void run_rank(const Team& team, Barrier& barrier, const BenchPlan& plan,
               std::vector<Record>& records) {
   const int rank = team.rank();
   const bool is_rank0 = rank == 0;
@@ -200,26 +209,122 @@ void run_rank(const Team& team, RankBarrier& barrier, const BenchPlan& plan,
   }
 }
 
+// Where the rank processes of --processes meet: a sense-reversing barrier in memory the launcher
+// maps shared before it forks them. `aborted` is set by the launcher when a rank process fails,
+// so that no rank waits for it forever.
+class ProcessBarrier : public Barrier {
+ public:
+  struct Words {
+    uint32_t arrived;
+    uint32_t generation;
+    uint32_t aborted;
+  };
+  ProcessBarrier(Words* words, int parties) : words_(words), parties_(uint32_t(parties)) {}
+  void arrive_and_wait() override {
+    const uint32_t generation = __atomic_load_n(&words_->generation, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&words_->arrived, 1u, __ATOMIC_ACQ_REL) == parties_) {
+      __atomic_store_n(&words_->arrived, 0u, __ATOMIC_RELAXED);
+      __atomic_store_n(&words_->generation, generation + 1, __ATOMIC_RELEASE);
+      return;
+    }
+    while (__atomic_load_n(&words_->generation, __ATOMIC_ACQUIRE) == generation) {
+      if (__atomic_load_n(&words_->aborted, __ATOMIC_ACQUIRE) != 0) throw BarrierAborted();
+      sched_yield();  // ranks may outnumber cores
+    }
+  }
+
+ private:
+  Words* words_;
+  uint32_t parties_;
+};
+
+// --processes: forks one process per rank; each joins the shared-memory team, measures as a rank
+// thread does and leaves its records in a file; a rank that fails stops the others.
+std::vector<Record> run_rank_processes(const Options& options, int world_size) {
+  const CpuTeamId id = create_cpu_team_id();
+  void* shared = mmap(nullptr, sizeof(ProcessBarrier::Words), PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (shared == MAP_FAILED) throw std::runtime_error("tpfuse-bench: mmap of the barrier failed");
+  auto* words = new (shared) ProcessBarrier::Words{};
+  const std::filesystem::path directory =
+      std::filesystem::temp_directory_path() / ("tpfuse-bench-cpu-" + std::to_string(getpid()));
+  std::filesystem::create_directories(directory);
+  const auto records_file = [&](int rank) {
+    return (directory / ("rank" + std::to_string(rank) + ".tsv")).string();
+  };
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < world_size; ++rank) {
+    const pid_t pid = fork();
+    if (pid < 0) {
+      for (pid_t child : children) kill(child, SIGKILL);
+      throw std::runtime_error("tpfuse-bench: fork failed");
+    }
+    if (pid == 0) {
+      int status = 0;
+      try {
+        const Team team = create_cpu_team(id, rank, world_size, team_options_of(options));
+        const BenchPlan plan =
+            make_plan(options, team, kCpuMaxDefaultTokens, kCpuOpsPerGraph, kCpuReplays);
+        ProcessBarrier barrier(words, world_size);
+        std::vector<Record> records;
+        run_rank(team, barrier, plan, records);
+        write_records(records_file(rank), records);
+      } catch (const BarrierAborted&) {
+        status = 1;  // another rank failed first; its error is the one reported
+      } catch (const std::exception& error) {
+        std::fprintf(stderr, "tpfuse-bench: rank %d: %s\n", rank, error.what());
+        status = 1;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      _exit(status);
+    }
+    children.push_back(pid);
+  }
+  bool failed = false;
+  for (size_t done = 0; done < children.size(); ++done) {
+    int status = 0;
+    if (waitpid(-1, &status, 0) < 0) break;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      failed = true;
+      __atomic_store_n(&words->aborted, 1u, __ATOMIC_RELEASE);
+    }
+  }
+  munmap(shared, sizeof(ProcessBarrier::Words));
+  if (failed) {
+    std::filesystem::remove_all(directory);
+    throw std::runtime_error("tpfuse-bench: a rank process failed (its error is above)");
+  }
+  std::vector<std::vector<Record>> per_rank;
+  for (int rank = 0; rank < world_size; ++rank)
+    per_rank.push_back(read_records(records_file(rank)));
+  std::filesystem::remove_all(directory);
+  return merge_ranks(per_rank);
+}
+
 }  // namespace
 
 std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info) {
   const int world_size = options.world_size > 0 ? options.world_size : kCpuDefaultWorld;
-  TeamOptions team_options;
-  team_options.packet_bytes = options.packet_bytes;
-  team_options.peer_timeout_seconds = options.peer_timeout_seconds;
-  const std::vector<Team> team = create_cpu_team(world_size, team_options);
-
-  const BenchPlan plan =
-      make_plan(options, team[0], kCpuMaxDefaultTokens, kCpuOpsPerGraph, kCpuReplays);
-
   info.gpu = "cpu";
   info.host_cpu = host_cpu_model();
   info.backend = "cpu";
-  info.ops_per_graph = plan.ops_per_graph;
-  info.replays = plan.replays;
-  info.method = std::to_string(plan.ops_per_graph) +
+  info.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kCpuOpsPerGraph;
+  info.replays = options.replays > 0 ? options.replays : kCpuReplays;
+  info.method = std::to_string(info.ops_per_graph) +
                 " back-to-back calls per replay timed with std::chrono::steady_clock, median of " +
-                std::to_string(plan.replays) + " replays";
+                std::to_string(info.replays) + " replays";
+  if (options.processes) {
+    info.method += "; one process a rank over shared memory";
+    std::fprintf(stderr, "CPU mode: %d rank processes (shared memory), %s, %s\n", world_size,
+                 dtype_name(options.dtype), info.method.c_str());
+    return run_rank_processes(options, world_size);
+  }
+  const std::vector<Team> team = create_cpu_team(world_size, team_options_of(options));
+  const BenchPlan plan =
+      make_plan(options, team[0], kCpuMaxDefaultTokens, kCpuOpsPerGraph, kCpuReplays);
   std::fprintf(stderr, "CPU mode: %d rank threads, %s, %s\n", world_size, dtype_name(options.dtype),
                info.method.c_str());
 

@@ -597,13 +597,6 @@ void fill_run_info(const GpuPlan& plan, bool processes, RunInfo& info) {
 #endif
 }
 
-TeamOptions team_options_of(const Options& options) {
-  TeamOptions team_options;
-  team_options.packet_bytes = options.packet_bytes;
-  team_options.peer_timeout_seconds = options.peer_timeout_seconds;
-  return team_options;
-}
-
 #if TPFUSE_BENCH_NCCL
 // --processes: ranks meet through an all-reduce of one word on their own stream.
 class NcclBarrier : public Barrier {
@@ -645,39 +638,6 @@ void from_hex(const char* hex, void* data, size_t bytes) {
     static_cast<unsigned char*>(data)[i] =
         static_cast<unsigned char>(std::stoi(std::string(hex + 2 * i, 2), nullptr, 16));
   }
-}
-
-// Records as tab-separated lines, for the launcher.
-void write_records(const std::string& path, const std::vector<Record>& records) {
-  std::FILE* file = std::fopen(path.c_str(), "w");
-  if (file == nullptr) TPF_FAIL("cannot write " << path);
-  for (const Record& r : records) {
-    std::fprintf(file, "%s\t%s\t%lld\t%lld\t%d\t%.17g\t%d\t%s\n", r.op.c_str(), r.impl.c_str(),
-                 static_cast<long long>(r.hidden), static_cast<long long>(r.tokens), r.world_size,
-                 r.us, r.pdl ? int(*r.pdl) : -1, r.chosen.empty() ? "-" : r.chosen.c_str());
-  }
-  std::fclose(file);
-}
-
-std::vector<Record> read_records(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) TPF_FAIL("a rank process left no records in " << path);
-  std::vector<Record> records;
-  std::string line;
-  while (std::getline(file, line)) {
-    std::istringstream fields(line);
-    Record r;
-    std::string us, chosen;
-    int pdl = -1;
-    std::getline(fields, r.op, '\t');
-    std::getline(fields, r.impl, '\t');
-    fields >> r.hidden >> r.tokens >> r.world_size >> us >> pdl >> chosen;
-    r.us = std::strtod(us.c_str(), nullptr);
-    if (pdl >= 0) r.pdl = pdl != 0;
-    if (chosen != "-") r.chosen = chosen;
-    records.push_back(r);
-  }
-  return records;
 }
 
 // One rank of --processes: its own team over NCCL, the same measurements as a rank thread.

@@ -40,8 +40,10 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
   --packet-mib N       one-shot workspace packet size in MiB (TeamOptions::packet_bytes, default 16)
   --backend B          auto | cuda | cpu (default auto: cuda where a GPU is found; one GPU
                        measures the local kernels, a one-rank team and the floors)
-  --processes          GPU mode: one process per GPU, teams over NCCL (create_nccl_team), as
-                       serving runs; default: one process drives every GPU (create_cuda_team)
+  --processes          one process a rank, as serving runs: GPU mode one per GPU over NCCL
+                       (create_nccl_team), CPU mode over shared memory (create_cpu_team with
+                       an id); default: one process drives every GPU (create_cuda_team), or
+                       the CPU ranks are threads
   --peer-timeout S     TeamOptions::peer_timeout_seconds (default 10; 0: unchecked polling),
                        to measure what checked mode costs
   --out PATH           results JSON at PATH (taken: NAME-1.json, NAME-2.json, ... beside it)
@@ -262,8 +264,11 @@ std::string create_out_file(const Options& options, const RunInfo& info, int wor
 enum class Mode { kGpu, kCpu };
 
 Mode choose_mode(const Options& options) {
-  const char* kCpuNote =
-      ": running the CPU backend (ranks are threads; these are CPU figures, not GPU figures)";
+  const char* kCpuNote = options.processes
+                             ? ": running the CPU backend (one process a rank over shared memory; "
+                               "these are CPU figures, not GPU figures)"
+                             : ": running the CPU backend (ranks are threads; these are CPU "
+                               "figures, not GPU figures)";
   const bool built_with_cuda = cuda_available();
   const int gpus = cuda_device_count();
   std::string reason;
@@ -327,7 +332,6 @@ int run(int argc, char** argv) {
     usage_error("this build of tpfuse-bench has no GPU mode");
 #endif
   } else {
-    if (options.processes) usage_error("--processes needs the GPU mode (two or more GPUs)");
     records = run_cpu_bench(options, info);
     if (world_size == 0) world_size = kCpuDefaultWorld;
   }

@@ -61,6 +61,22 @@ grep -qF '"shape": "MiniMax-M2 q 3072' "$out/run.json" || {
   failures=$((failures + 1))
 }
 
+# --processes on the CPU: one process a rank over shared memory, the same table.
+if ! "$bench" --backend cpu --processes --world 3 --hidden 3072 --tokens 1,2 --replays 1 \
+  --ops-per-graph 1 --out "$out/processes.json" >"$out/processes" 2>"$out/processes.stderr"; then
+  echo "FAIL: the CPU --processes run failed:"
+  cat "$out/processes.stderr"
+  failures=$((failures + 1))
+fi
+for wanted in "one process a rank over shared memory" "hidden 3072, bf16, world 3 (cpu)" \
+  "tpfuse_cpu" "fp8_group128_cpu" "tpfuse_fused_rope_cpu"; do
+  grep -qF -- "$wanted" "$out/processes" || {
+    echo "FAIL: the CPU --processes run's output does not show '$wanted':"
+    cat "$out/processes"
+    failures=$((failures + 1))
+  }
+done
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures failure(s)"
   exit 1
