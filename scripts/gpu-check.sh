@@ -2,7 +2,7 @@
 # One call on a GPU machine: build with CMake + Ninja, run the GPU and CPU tests, a
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
-#   OUT=/tmp/out STEPS="build test sanitize bench peers experiments ab profile python e2e" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS="build test sanitize bench peers experiments ab profile python e2e cpu" scripts/gpu-check.sh
 #
 # peers: bench/peers.py (FlashInfer, torch symmetric memory, tpfuse from torch, the local kernels)
 # into the bench step's results file; PEERS_ARGS narrows it. python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
@@ -225,6 +225,19 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   # decode.py never overwrites either: the file is the one its "wrote" line names.
   e2e_json=$(sed -n 's/^wrote //p' "$OUT/e2e.log" | tail -1)
   python3 bench/e2e/plot.py "${e2e_json:-$OUT/e2e.json}" >/dev/null 2>&1 || echo "e2e plot failed"
+fi
+if [[ " $STEPS " == *" cpu "* ]]; then
+  step cpu
+  # The CPU backend across processes on this host's cores (bench/cpu_processes.py: tpfuse's
+  # shared-memory team against gloo's all-reduce + the local add + RMSNorm; CPU_ARGS narrows it),
+  # and tpfuse-bench --processes in CPU mode.
+  export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${CPU_TIMEOUT:-300} \
+    python3 bench/cpu_processes.py --world 2,4,8 --out "$OUT/cpu-processes.json" ${CPU_ARGS:-} \
+    2>&1 | tee "$OUT/cpu-processes.log" | grep -v -i warn | tail -40 || status=1
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout 200 "$BUILD/bench/tpfuse-bench" \
+    --backend cpu --processes --world 4 --hidden 3072,7168 --out "$OUT/cpu-bench-x4.json" \
+    >"$OUT/cpu-bench.log" 2>&1 || status=1
 fi
 # The device tool returns at most 8 files: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)

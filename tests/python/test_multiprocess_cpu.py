@@ -203,6 +203,29 @@ def run_world(test, world):
     test.assertEqual([p.exitcode for p in processes], [0] * world)
 
 
+class CpuProcessesBench(unittest.TestCase):
+    """bench/cpu_processes.py in its smallest form: every impl measured, outputs close."""
+
+    def test_every_impl_is_measured_and_agrees_with_tpfuse(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+        import cpu_processes
+
+        out = os.path.join(tempfile.mkdtemp(), "cpu.json")
+        self.assertEqual(cpu_processes.main([
+            "--world", "2", "--hidden", "256", "--tokens", "1,3", "--calls", "2",
+            "--replays", "2", "--out", out]), 0)
+        import json
+
+        with open(out) as file:
+            records = json.load(file)["records"]
+        self.assertEqual(len(records), 2 * len(cpu_processes.IMPLS))
+        for record in records:
+            self.assertGreater(record["us"], 0.0)
+            self.assertGreaterEqual(record["us_max_rank"], record["us"])
+            # Two roundings (gloo's sum, then the add) where tpfuse rounds once: a few bf16 steps.
+            self.assertLess(record["max_abs_diff"], 0.1, record)
+
+
 class MultiProcessCpu(unittest.TestCase):
     def test_world_2(self):
         run_world(self, 2)
