@@ -57,7 +57,7 @@ TEST_P(SharedMemoryAlgorithms, AdversarialPayloads) {
 }
 
 TEST_P(SharedMemoryAlgorithms, Fp8OutputsMatchTheirDefinition) {
-  check_fp8_outputs(harness_, seed(23000), 6);
+  check_fp8_outputs(harness_, seed(23000), 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, SharedMemoryAlgorithms,
