@@ -9,8 +9,9 @@
 Each pattern is a class with a ``pattern`` and a ``replacement`` written as plain torch code and
 traced by Inductor's pattern matcher (post-grad). On the installed group:
 
-- an all-reduce as torch.compile emits it (functional ``all_reduce`` + ``wait_tensor``), an
-  optional residual add, and RMSNorm as models write it (the fp32-upcast form with the weight on
+- an all-reduce as torch.compile emits it (functional ``all_reduce`` + ``wait_tensor``, its sum
+  possibly reshaped from [tokens, hidden] to the residual's [batch, seq, hidden]), an optional
+  residual add, and RMSNorm as models write it (the fp32-upcast form with the weight on
   either side, ``torch.nn.functional.rms_norm``, or Gemma's zero-centered ``(1 + weight)`` form),
   any eps and width, becomes one ``tpfuse::allreduce_add_rmsnorm``. A token count fixed at compile
   time for which the team would take its NCCL path anyway keeps the unfused graph; a symbolic
@@ -45,6 +46,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .team import Team
@@ -195,7 +197,7 @@ class FusedPattern:
         )
 
 
-def _norm_inputs_fit(kwargs, fusion: "TpfusePass") -> bool:
+def _norm_inputs_fit(kwargs, fusion: "TpfusePass", reshaped: bool = False) -> bool:
     x = kwargs["x"].meta.get("val")
     weight = kwargs["weight"].meta.get("val")
     if x is None or weight is None or x.dim() < 1:
@@ -207,35 +209,51 @@ def _norm_inputs_fit(kwargs, fusion: "TpfusePass") -> bool:
     residual = kwargs.get("residual")
     if residual is not None:
         value = residual.meta.get("val")
-        if value is None or value.dtype != x.dtype or value.shape != x.shape:
+        if value is None or value.dtype != x.dtype:
+            return False
+        if reshaped:
+            # Only the token dims may be regrouped ([T, H] -> [B, S, H]): rows stay rows.
+            if value.dim() < 1 or not statically_known_true(value.shape[-1] == x.shape[-1]):
+                return False
+            if not statically_known_true(value.numel() == x.numel()):
+                return False
+        elif value.shape != x.shape:
             return False
     return fusion.fused_kernel_runs(x)
 
 
 class AllReduceAddRMSNorm(FusedPattern):
-    """h = all_reduce(x) + residual (either order); (norm(h) * weight, h) -> one fused call."""
+    """h = all_reduce(x) + residual (either order); (norm(h) * weight, h) -> one fused call.
+    `reshaped`: the sum is reshaped to the residual's shape before the add (a MoE block that
+    all-reduces its flattened [tokens, hidden] output, as HF transformers' MiniMax-M2 does)."""
 
     stat = "allreduce_add_rmsnorm"
 
-    def __init__(self, fusion, norm_form: str, residual_first: bool):
+    def __init__(self, fusion, norm_form: str, residual_first: bool, reshaped: bool = False):
         super().__init__(fusion)
         self.norm, self.norm_weight = NORM_FORMS[norm_form]
         self.residual_first = residual_first
+        self.reshaped = reshaped
 
     def example_inputs(self):
-        return _fake_inputs(((5, 16), torch.bfloat16), ((5, 16), torch.bfloat16),
+        residual_shape = (5, 1, 16) if self.reshaped else (5, 16)
+        return _fake_inputs(((5, 16), torch.bfloat16), (residual_shape, torch.bfloat16),
                             ((16,), torch.bfloat16))
 
     def pattern(self, x, residual, weight, eps):
         reduced = _all_reduce(x, self.fusion.group_name)
+        if self.reshaped:
+            reduced = reduced.reshape(residual.shape)
         h = residual + reduced if self.residual_first else reduced + residual
         return self.norm(h, weight, eps), h
 
     def replacement(self, x, residual, weight, eps):
+        if self.reshaped:
+            x = x.reshape(residual.shape)
         return self.fusion.fused_add_rmsnorm(x, residual, weight, eps, self.norm_weight)
 
     def check(self, match):
-        return _norm_inputs_fit(match.kwargs, self.fusion)
+        return _norm_inputs_fit(match.kwargs, self.fusion, self.reshaped)
 
 
 class AllReduceRMSNorm(FusedPattern):
@@ -503,8 +521,8 @@ class TpfusePass(CustomGraphPass):
         self.graphs: List[Dict[str, Any]] = []
         norm_forms = list(NORM_FORMS)
         self.patterns: List[FusedPattern] = [
-            *(AllReduceAddRMSNorm(self, form, first) for form in norm_forms
-              for first in (False, True)),
+            *(AllReduceAddRMSNorm(self, form, first, reshaped) for form in norm_forms
+              for first in (False, True) for reshaped in (False, True)),
             *(AllReduceRMSNorm(self, form) for form in norm_forms),
             QkNormSingleSplit(self, returns_v=True), QkNormSingleSplit(self, returns_v=False),
             QkNormSlices(self),

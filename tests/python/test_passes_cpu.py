@@ -161,6 +161,33 @@ class Passes(unittest.TestCase):
         self.check_rewritten(2)
         self.check_close(got, expected)
 
+    def test_a_flattened_sum_reshaped_to_the_residual(self):
+        # A MoE block that all-reduces its [tokens, hidden] output and the model that adds it to
+        # a [batch, seq, hidden] residual (HF transformers' MiniMax-M2), either order.
+        for residual_first in (True, False):
+
+            def model(x, residual, weight):
+                reduced = funcol.all_reduce(x, "sum", dist.group.WORLD).reshape(residual.shape)
+                h = residual + reduced if residual_first else reduced + residual
+                return hand_written_rms_norm(h, weight, 1e-6), h
+
+            x, residual, weight = self.inputs(tokens=6)
+            got, expected = self.compile_and_run(model, x, residual.view(2, 3, 64), weight)
+            self.check_rewritten(1)
+            self.check_close(got, expected)
+            self.assertEqual(tuple(got[1].shape), (2, 3, 64))
+
+    def test_a_reshape_that_regroups_the_hidden_dim_is_left_alone(self):
+        def model(x, residual, weight):
+            h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD).reshape(residual.shape)
+            return hand_written_rms_norm(h, weight, 1e-6), h
+
+        x, residual, weight = self.inputs(tokens=4)
+        # [4, 64] summed, then read as [8, 32]: rows of the sum are not rows of the norm.
+        got, expected = self.compile_and_run(model, x, residual.view(8, 32), weight[:32])
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 0)
+        self.check_close(got, expected)
+
     def test_other_patterns_are_left_alone(self):
         def model(x, residual, weight):
             # A max all-reduce, and a norm that is not over the last dim: no rewrite.
