@@ -1,0 +1,157 @@
+"""Models written by others as the passes' clients: HF transformers' own Llama, Qwen3 and
+MiniMax-M2 modeling code, made tensor-parallel by transformers' own plans (``tp_plan``,
+``apply_tensor_parallelism`` over a gloo device mesh), two processes, tiny configs with random
+weights. Each rank compiles the model with tpfuse's passes on its ``Team.from_group`` team (the CPU
+backend over shared memory) and checks that every all-reduce + add + RMSNorm site of every layer
+was rewritten (none left), and that the logits match the uncompiled tensor-parallel model.
+
+What transformers 5.17's plans give (and what this test takes as it is):
+- Llama: two sites a layer (attention output, MLP output), residual first, weight on the left.
+- Qwen3: the same; its per-head q/k norms are local. Its plan marks them
+  ``replicated_with_grad_allreduce``, a backward hook that breaks Dynamo's graph at every call, so
+  the all-reduce and its norm land in different graphs: the test's plan leaves those two entries
+  out (for inference the forward is the same).
+- MiniMax-M2: the MoE output is all-reduced flat ([tokens, hidden]) and reshaped before the add
+  (the passes' reshaped form). Its q/k norm over the full width is served by gathering q, k and v
+  and running attention replicated: there is no variance all-reduce for the QK pass to fuse.
+KV heads fewer than ranks are not supported by transformers' plans (they split a head), so every
+config here has KV heads >= the world size.
+"""
+
+import copy
+import importlib.util
+import os
+import sys
+import tempfile
+import traceback
+import unittest
+
+import torch
+
+WORLD = 2
+LAYERS = 2
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def _config(name):
+    import transformers
+
+    common = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
+                  num_attention_heads=8, num_key_value_heads=4, vocab_size=1000,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  dtype=torch.bfloat16)
+    if name == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(head_dim=32, **common)
+    if name == "minimax_m2":
+        return transformers.MiniMaxM2ForCausalLM, transformers.MiniMaxM2Config(
+            head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                             "partial_rotary_factor": 0.5},
+            **common)
+    raise ValueError(name)
+
+
+def _tensor_parallel(name, cls, config, world):
+    """The model built from its config (the same seed on every rank, norm weights not all ones),
+    then sharded by transformers' own plan."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    from transformers.distributed.utils import initialize_tensor_parallelism
+
+    torch.manual_seed(1234)
+    model = cls(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.copy_(1 + 0.1 * torch.randn_like(parameter, dtype=torch.float32))
+    model.eval()
+    _, mesh = initialize_tensor_parallelism("auto", tp_size=world)
+    plan = "auto"
+    if name == "qwen3":
+        plan = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()
+                if "q_norm" not in k and "k_norm" not in k}
+        plan.update(cls._tp_plan or {})
+        model.tp_plan = plan
+    model.config.distributed_config = DistributedConfig(tp_size=world, tp_plan=plan)
+    model._device_mesh = mesh
+    model._tp_size = world
+    return apply_tensor_parallelism(model, mesh).eval(), mesh
+
+
+def _check_model(name, team, rank, world):
+    import tpfuse.passes as passes
+
+    cls, config = _config(name)
+    model, mesh = _tensor_parallel(name, cls, config, world)
+    tokens = torch.randint(0, config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        eager = model(tokens, use_cache=False).logits
+        fusion = passes.install(team, mesh.get_group())
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(copy.copy(model), dynamic=False)
+            got = compiled(tokens, use_cache=False).logits
+        finally:
+            passes.uninstall()
+    sites = 2 * LAYERS
+    assert fusion.stats["allreduce_add_rmsnorm"] == sites, (name, fusion.stats)
+    assert len(fusion.graphs) == 1, (name, len(fusion.graphs))
+    (graph,) = fusion.graphs
+    assert graph["before"].count("_c10d_functional.all_reduce.default") == sites, name
+    assert "_c10d_functional.all_reduce.default" not in graph["after"], (name, graph["after"])
+    assert graph["after"].count("tpfuse.allreduce_add_rmsnorm.default") == sites, name
+    # The fused op rounds once where the unfused model rounds twice: a few bf16 steps.
+    torch.testing.assert_close(got.float(), eager.float(), atol=5e-2, rtol=5e-2, msg=name)
+
+
+def _rank_main(rank, world, store_path, failures):
+    try:
+        import torch.distributed as dist
+
+        import tpfuse
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        torch.set_num_threads(1)
+        torch._inductor.config.force_disable_caches = True  # every compile runs the passes
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world)
+        team = tpfuse.Team.from_group()
+        for name in ("llama", "qwen3", "minimax_m2"):
+            _check_model(name, team, rank, world)
+        team.close()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the parent
+        failures.put(f"rank {rank}:\n{traceback.format_exc()}")
+
+
+@unittest.skipUnless(HAVE_TRANSFORMERS, "needs transformers 5.17.0 (.ci/run installs it)")
+class TransformersModels(unittest.TestCase):
+    def test_every_site_of_llama_qwen3_and_minimax_m2_is_fused(self):
+        import torch.multiprocessing as mp
+        import transformers
+
+        self.assertEqual(transformers.__version__, "5.17.0")
+        context = mp.get_context("spawn")
+        failures = context.SimpleQueue()
+        store = os.path.join(tempfile.mkdtemp(), "store")
+        processes = [context.Process(target=_rank_main, args=(r, WORLD, store, failures))
+                     for r in range(WORLD)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=1100)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        self.assertEqual(messages, [])
+        self.assertEqual([p.exitcode for p in processes], [0] * WORLD)
+
+
+if __name__ == "__main__":
+    unittest.main()
