@@ -176,7 +176,17 @@ def _rank_main(rank, world, store_path, failures):
         x = torch.full((2, HIDDEN), float(rank + 1), dtype=torch.bfloat16)
         total = tpfuse.allreduce(team, x)
         assert torch.equal(total, torch.full_like(x, world * (world + 1) / 2)), total
+        # A released team is named as such, by its handle and through the closed Team.
+        handle = team.handle
         team.close()
+        team.close()  # twice is harmless
+        for call in (lambda: torch.ops.tpfuse.allreduce(handle, x, 0),
+                     lambda: tpfuse.allreduce(team, x)):
+            try:
+                call()
+                raise AssertionError("a released team was accepted")
+            except RuntimeError as error:
+                assert "is not a live team handle" in str(error), error
     except Exception:  # noqa: BLE001 -- reported to the parent
         failures.put(f"rank {rank}:\n{traceback.format_exc()}")
 
