@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Registers and spill bytes of the fused kernels (ptxas -v, sm_90a), this tree against another
-# source tree: a cheap check before spending device time on an A/B. Needs nvcc, no GPU.
+# source tree: a cheap check before spending device time on an A/B. Needs nvcc, no GPU. Each
+# tree is configured (CUDA on) in a temporary build directory, and its kernels compiled there.
 #   bash scripts/kernel-registers.sh <other-tree> [kernel files: oneshot twoshot qknorm]
 # (e.g. mkdir -p build/base && git archive <commit> | tar -x -C build/base)
 set -euo pipefail
@@ -8,28 +9,39 @@ cd "$(dirname "$0")/.."
 base=$(realpath "$1"); shift
 files=${*:-oneshot twoshot qknorm}
 work=$(mktemp -d)
-generated=$(ls -d build/*/generated/include 2>/dev/null | head -1)
-[ -n "$generated" ] || { echo "configure a build first (cmake --preset release)"; exit 1; }
-generated=$(realpath "$generated")
-compile() {  # tree file out
-  nvcc -I"$1/include" -I"$generated" -I"$1/src" -O3 -DNDEBUG --expt-relaxed-constexpr -std=c++17 \
-    --generate-code=arch=compute_90a,code=sm_90a -Xptxas=-v -x cu -c "$1/src/cuda/$2.cu" \
-    -o /dev/null 2>"$3"
+# A kernel file's translation units are those the tree's build compiles for it: src/cuda/<file>.cu
+# and the parts CMakeLists.txt generates (generated/cuda/<file>_*.cu), with the build's flags.
+configure() {  # tree build
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPFUSE_CUDA=ON -DTPFUSE_TORCH=OFF \
+    -DTPFUSE_BUILD_TESTS=OFF -DTPFUSE_BUILD_BENCH=OFF >"$2.log" 2>&1 ||
+    { echo "configuring $1 failed:"; tail -20 "$2.log"; exit 1; }
 }
+compile() {  # build file out
+  ninja -C "$1" -t commands tpfuse |
+    grep -E -- "-c [^ ]*/(src/cuda/$2|generated/cuda/$2_[^ /]*)\.cu " |
+    while read -r command; do (cd "$1" && sh -c "$command -Xptxas=-v"); done >/dev/null 2>"$3"
+}
+configure "$base" "$work/base"
+configure "$PWD" "$work/this"
 for f in $files; do
-  compile "$base" "$f" "$work/base_$f" &
-  compile "$PWD" "$f" "$work/this_$f" &
+  compile "$work/base" "$f" "$work/base_$f" &
+  compile "$work/this" "$f" "$work/this_$f" &
 done
 wait
 python3 - "$work" $files <<'PY'
 import re, sys, collections
 work, files = sys.argv[1], sys.argv[2:]
+def drop_anonymous_namespace(name):
+    # <length>_GLOBAL__N__<hash>_<length>_<file>_cu_<hash>: named after the translation unit, so
+    # the same kernel compiled in another file differs only there.
+    m = re.search(r"(\d+)_GLOBAL__N__", name)
+    return name if not m else name[:m.start()] + name[m.end(1) + int(m.group(1)):]
 def parse(path):
     kernels, name, spill = {}, None, 0
     for line in open(path):
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
-            name = re.sub(r"_GLOBAL__N__[0-9a-f]+_|_cu_[0-9a-f]+", "", m.group(1)); spill = 0
+            name = drop_anonymous_namespace(m.group(1)); spill = 0
             # An epilogue without an FP8 output names its kQuant = false since that parameter
             # came: the same kernel as before it.
             name = re.sub(r"(NormWeightE\d)ELb0E", r"\1E", name)

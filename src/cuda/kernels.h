@@ -19,6 +19,17 @@ void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind
 void cuda_qk_rmsnorm(const TeamState& team, const QkCall& call, DType dtype, cudaStream_t stream);
 void cuda_qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream);
 
+// The QK-norm kernels of one dtype (qknorm.cuh), compiled in a translation unit per dtype
+// (CMakeLists.txt): cuda_qk_rmsnorm, cuda_qk_local and cuda_preload_qk_kernels (qknorm.cu) bind
+// a call's dtype and call these.
+template <typename T>
+struct QkKernels {
+  // After cuda_qk_rmsnorm has reported the team's earlier failure and set its device.
+  static void launch_fused(const TeamState& team, const QkCall& call, cudaStream_t stream);
+  static void launch_local(const QkCall& call, QkPass pass, cudaStream_t stream);
+  static void preload_kernels(int world_size);
+};
+
 // Load every kernel a team of this world size may launch, on the current device: CUDA loads
 // kernels lazily, and a load can wait for the device to go idle while a kernel of this rank
 // spins on a peer whose host thread is itself blocked loading one (launch.cuh, preload).

@@ -10,7 +10,7 @@
 //      rank that owns their token, sender index `rank`, rows [0, per); rows this rank owns stay
 //      in its input (a rank's own rows never go through its slot).
 //   3. arrival (the last block advances the slot index), launch_dependents, clear the previous
-//      call's slot: as in one-shot, for the same reasons (src/cuda/oneshot.cu).
+//      call's slot: as in one-shot, for the same reasons (src/cuda/oneshot.cuh).
 //   4. owned rows: poll the other senders' rows, sum them and this rank's input row in rank
 //      order in fp32, residual add, one
 //      rounding (canonical zeros), residual_out and norm_out; each rounded vector also goes to
@@ -23,6 +23,10 @@
 // two-shot give the same bits for every token. Deadlock freedom: step 4 waits only on step 2 of
 // the peers, step 5 only on step 4 of the owners, and every block of a grid is resident (the grid
 // is sized by occupancy), so every store that is waited on is eventually made.
+//
+// Compiled in the shards of row_launch.cuh; cuda_twoshot (row_launch.cu) launches it.
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include "core/calls.h"
@@ -30,6 +34,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/row_launch.cuh"
+#include "cuda/row_shard.cuh"
 #include "cuda/rows.cuh"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/lamport.h"
@@ -54,7 +59,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
   const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
-  if (session.failed()) return;  // a failed team sends nothing (see oneshot.cu)
+  if (session.failed()) return;  // a failed team sends nothing (see oneshot.cuh)
   const size_t my_sender_offset = session.send_offset(p.exchange);
   send_header(session, p.exchange, p.signature);
 
@@ -144,14 +149,19 @@ constexpr auto twoshot_kernel_of(Tag) {
 
 }  // namespace
 
-void cuda_twoshot(const TeamState& team, const RowCall& call, DType dtype,
-                  const RowEpilogueKind& epilogue, cudaStream_t stream) {
-  launch_row_collective(team, call, dtype, epilogue, stream,
-                        [](auto kernel_tag) { return twoshot_kernel_of(kernel_tag); });
-}
+// The two-shot kernel's part of a shard (row_launch.cuh).
+struct TwoShotKernel {
+  template <typename Epilogue>
+  static void launch_call(const RowLaunch& row) {
+    launch_row_collective_in_shard<Epilogue>(
+        row, [](auto kernel_tag) { return twoshot_kernel_of(kernel_tag); });
+  }
 
-void cuda_preload_twoshot_kernels(int world_size) {
-  for_each_row_kernel(world_size, [](auto kernel_tag) { preload(twoshot_kernel_of(kernel_tag)); });
-}
+  template <typename Epilogue>
+  static void preload_kernels(int world_size) {
+    for_each_row_kernel<Epilogue>(world_size,
+                                  [](auto kernel_tag) { preload(twoshot_kernel_of(kernel_tag)); });
+  }
+};
 
 }  // namespace tpfuse::impl

@@ -37,6 +37,10 @@
 // the device's SM count), so the epilogue's block reduction sees the same values in the same
 // order. This holds between ranks on GPUs of the same model; the CPU backend reduces the row in
 // another order and may differ from the GPU in the last bit of the norm.
+//
+// Compiled in the shards of row_launch.cuh; cuda_oneshot (row_launch.cu) launches it.
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include "core/calls.h"
@@ -44,6 +48,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/row_launch.cuh"
+#include "cuda/row_shard.cuh"
 #include "cuda/rows.cuh"
 #include "tpfuse/impl/epilogue.h"
 
@@ -126,14 +131,19 @@ constexpr auto oneshot_kernel_of(Tag) {
 
 }  // namespace
 
-void cuda_oneshot(const TeamState& team, const RowCall& call, DType dtype,
-                  const RowEpilogueKind& epilogue, cudaStream_t stream) {
-  launch_row_collective(team, call, dtype, epilogue, stream,
-                        [](auto kernel_tag) { return oneshot_kernel_of(kernel_tag); });
-}
+// The one-shot kernel's part of a shard (row_launch.cuh).
+struct OneShotKernel {
+  template <typename Epilogue>
+  static void launch_call(const RowLaunch& row) {
+    launch_row_collective_in_shard<Epilogue>(
+        row, [](auto kernel_tag) { return oneshot_kernel_of(kernel_tag); });
+  }
 
-void cuda_preload_oneshot_kernels(int world_size) {
-  for_each_row_kernel(world_size, [](auto kernel_tag) { preload(oneshot_kernel_of(kernel_tag)); });
-}
+  template <typename Epilogue>
+  static void preload_kernels(int world_size) {
+    for_each_row_kernel<Epilogue>(world_size,
+                                  [](auto kernel_tag) { preload(oneshot_kernel_of(kernel_tag)); });
+  }
+};
 
 }  // namespace tpfuse::impl
