@@ -15,8 +15,10 @@ import unittest
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "e2e"))
 from model import rope  # noqa: E402
+from spawned_ranks import run_ranks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, HIDDEN, TOKENS = 8, 2, 64, 32, 256, 5
 
@@ -191,28 +193,6 @@ def _rank_main(rank, world, store_path, failures):
         failures.put(f"rank {rank}:\n{traceback.format_exc()}")
 
 
-def run_world(test, world):
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    failures = context.SimpleQueue()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    processes = [context.Process(target=_rank_main, args=(r, world, store, failures))
-                 for r in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=900)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    test.assertEqual(messages, [])
-    test.assertEqual([p.exitcode for p in processes], [0] * world)
-
-
 class CpuProcessesBench(unittest.TestCase):
     """bench/cpu_processes.py in its smallest form: every impl measured, outputs close."""
 
@@ -238,13 +218,13 @@ class CpuProcessesBench(unittest.TestCase):
 
 class MultiProcessCpu(unittest.TestCase):
     def test_world_2(self):
-        run_world(self, 2)
+        run_ranks(self, _rank_main, 2)
 
     def test_world_4(self):
-        run_world(self, 4)
+        run_ranks(self, _rank_main, 4)
 
     def test_world_8(self):
-        run_world(self, 8)
+        run_ranks(self, _rank_main, 8)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ import copy
 import importlib.util
 import os
 import sys
-import tempfile
 import traceback
 import unittest
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawned_ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 LAYERS = 2
@@ -130,28 +132,10 @@ def _rank_main(rank, world, store_path, failures):
 @unittest.skipUnless(HAVE_TRANSFORMERS, "needs transformers 5.17.0 (.ci/run installs it)")
 class TransformersModels(unittest.TestCase):
     def test_every_site_of_llama_qwen3_and_minimax_m2_is_fused(self):
-        import torch.multiprocessing as mp
         import transformers
 
         self.assertEqual(transformers.__version__, "5.17.0")
-        context = mp.get_context("spawn")
-        failures = context.SimpleQueue()
-        store = os.path.join(tempfile.mkdtemp(), "store")
-        processes = [context.Process(target=_rank_main, args=(r, WORLD, store, failures))
-                     for r in range(WORLD)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=1100)
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        self.assertEqual(messages, [])
-        self.assertEqual([p.exitcode for p in processes], [0] * WORLD)
-
+        run_ranks(self, _rank_main, WORLD, timeout=1100)
 
 if __name__ == "__main__":
     unittest.main()
