@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -336,15 +337,6 @@ std::string one_call(const Team& team) {
   return "";
 }
 
-// One call on both ranks of a two-rank team, each from its own thread; the first error, or "".
-std::string one_call_pair(const Team& a, const Team& b) {
-  std::string errors[2];
-  std::thread other([&] { errors[1] = one_call(b); });
-  errors[0] = one_call(a);
-  other.join();
-  return errors[0] + errors[1];
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -434,21 +426,37 @@ TEST(ProcessTeam, BadArgumentsAreNamed) {
   EXPECT_TRUE(contains(error_of([&] { create_cpu_team(id, 0, 2, bad); }),
                        "options.packet_bytes must be a positive multiple of 16"));
   // A rank that joins twice: one of the two is refused, and the team completes with the other.
-  std::vector<Team> team(3);
+  // Rank 2 joins only once the refusal is in, so that both joins of rank 1 find the team still
+  // being made (a join after the team is complete finds no segment: its name is gone).
+  std::vector<Team> team(4);
   std::string joins[2];
-  std::thread first([&] { team[0] = create_cpu_team(id, 0, 2, small_options(5.0)); });
+  std::atomic<int> returned{0};
+  std::thread first([&] { team[0] = create_cpu_team(id, 0, 3, small_options(10.0)); });
   std::vector<std::thread> rank_one;
   for (int j = 0; j < 2; ++j) {
     rank_one.emplace_back([&, j] {
-      joins[j] = error_of([&] { team[1 + j] = create_cpu_team(id, 1, 2, small_options(5.0)); });
+      joins[j] = error_of([&] { team[1 + j] = create_cpu_team(id, 1, 3, small_options(10.0)); });
+      returned.fetch_add(1);
     });
   }
+  const auto start = std::chrono::steady_clock::now();
+  while (returned.load() == 0 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(8)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::thread last([&] { team[3] = create_cpu_team(id, 2, 3, small_options(10.0)); });
   first.join();
+  last.join();
   for (auto& thread : rank_one) thread.join();
   const int refused = joins[0].empty() ? 1 : 0;
   EXPECT_TRUE(joins[1 - refused].empty()) << joins[1 - refused];
   EXPECT_TRUE(contains(joins[refused], "rank 1 has already joined this team")) << joins[refused];
-  EXPECT_EQ(one_call_pair(team[0], team[2 - refused]), "");
+  std::string errors[3];
+  const Team* ranks[3] = {&team[0], &team[2 - refused], &team[3]};
+  std::vector<std::thread> callers;
+  for (int r = 0; r < 3; ++r) callers.emplace_back([&, r] { errors[r] = one_call(*ranks[r]); });
+  for (auto& caller : callers) caller.join();
+  EXPECT_EQ(errors[0] + errors[1] + errors[2], "");
 }
 
 TEST(ProcessTeam, OneRankTeamRunsLocally) {
