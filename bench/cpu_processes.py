@@ -25,13 +25,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e"))
+import decode  # noqa: E402  -- its run_ranks spawns the ranks
 import results_path  # noqa: E402
 
 IMPLS = ("tpfuse", "gloo+tpfuse_local", "gloo+torch")
@@ -113,22 +114,10 @@ def _rank_main(rank, world, args, store_path, queue):
 
 
 def run_world(world, args):
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    processes = [context.Process(target=_rank_main, args=(r, world, args, store, queue))
-                 for r in range(world)]
-    for process in processes:
-        process.start()
-    results = [queue.get() for _ in processes]
-    for process in processes:
-        process.join(timeout=60)
-    errors = [f"rank {rank}:\n{error}" for rank, _, error in results if error]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return next(records for rank, records, _ in results if rank == 0)
+    records = decode.run_ranks(_rank_main, world, args)  # prints every rank's error
+    if records is None:
+        raise RuntimeError(f"a rank of world {world} failed (its error is above)")
+    return records
 
 
 def print_table(records):

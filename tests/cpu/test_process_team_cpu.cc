@@ -186,35 +186,21 @@ bool segment_listed(const CpuTeamId& id) {
   return std::filesystem::exists("/dev/shm" + name);
 }
 
-// One rank of a team in this process: the harness the runner needs, driving only `rank`.
-class OneRankHarness : public Harness {
+// One rank of a team in this process: the CPU harness's memory, driving only `rank`.
+class OneRankHarness : public CpuHarness {
  public:
-  OneRankHarness(Team team, int world) : rank_(team.rank()), team_(size_t(world)) {
-    team_[rank_] = std::move(team);
-  }
-  ~OneRankHarness() override {
-    for (void* block : blocks_) std::free(block);
-  }
-  std::vector<Team>& team() override { return team_; }
-  void* allocate(int, size_t bytes) override {
-    void* block = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-    blocks_.push_back(block);
-    return block;
-  }
-  void upload(int, void* destination, const void* source, size_t bytes) override {
-    std::memcpy(destination, source, bytes);
-  }
-  void download(int, void* destination, const void* source, size_t bytes) override {
-    std::memcpy(destination, source, bytes);
-  }
+  OneRankHarness(const Team& team, int world)
+      : CpuHarness(one_rank_of(team, world)), rank_(team.rank()) {}
   void run(const std::function<void(int, cudaStream_t)>& call) override { call(rank_, nullptr); }
   void enqueue(const std::function<void(int, cudaStream_t)>& call) override { run(call); }
-  void synchronize() override {}
 
  private:
+  static std::vector<Team> one_rank_of(const Team& team, int world) {
+    std::vector<Team> ranks(static_cast<size_t>(world));
+    ranks[size_t(team.rank())] = team;
+    return ranks;
+  }
   int rank_;
-  std::vector<Team> team_;
-  std::vector<void*> blocks_;
 };
 
 // The calls the process tests make: every algorithm, dtypes, widths, FP8 outputs, the plain
