@@ -543,41 +543,46 @@ std::vector<int64_t> create_cuda_team_op(std::vector<int64_t> devices, int64_t p
                                      team_options(packet_bytes, peer_timeout_seconds)));
 }
 
-at::Tensor create_unique_id_op() {
-  const UniqueId id = create_unique_id();
+// A bootstrap id (UniqueId, CpuTeamId) as the CPU uint8 tensor a process group broadcasts, and
+// back, checked: `what` names the op and its argument, `maker` the function that makes it.
+template <typename Id>
+at::Tensor id_tensor(const Id& id) {
   at::Tensor bytes = at::empty({int64_t(sizeof(id.bytes))}, at::kByte);
   std::memcpy(bytes.data_ptr(), id.bytes, sizeof(id.bytes));
   return bytes;
 }
 
+template <typename Id>
+Id id_of(const at::Tensor& bytes, const char* what, const char* maker) {
+  Id id;
+  TORCH_CHECK(bytes.scalar_type() == at::kByte && bytes.numel() == sizeof(id.bytes) &&
+                  bytes.device().is_cpu(),
+              "tpfuse::", what, " must be a CPU uint8 tensor of ", sizeof(id.bytes),
+              " bytes (from ", maker, ")");
+  std::memcpy(id.bytes, bytes.contiguous().data_ptr(), sizeof(id.bytes));
+  return id;
+}
+
+at::Tensor create_unique_id_op() {
+  return id_tensor(create_unique_id());
+}
+
 int64_t create_nccl_team_op(const at::Tensor& unique_id, int64_t rank, int64_t world_size,
                             int64_t device, int64_t packet_bytes, double peer_timeout_seconds) {
-  UniqueId id;
-  TORCH_CHECK(unique_id.scalar_type() == at::kByte && unique_id.numel() == sizeof(id.bytes) &&
-                  unique_id.device().is_cpu(),
-              "tpfuse::create_nccl_team: unique_id must be a CPU uint8 tensor of ",
-              sizeof(id.bytes), " bytes (from create_unique_id)");
-  std::memcpy(id.bytes, unique_id.contiguous().data_ptr(), sizeof(id.bytes));
+  const auto id = id_of<UniqueId>(unique_id, "create_nccl_team: unique_id", "create_unique_id");
   return Registry::instance().add(
       create_nccl_team(id, int(rank), int(world_size), int(device),
                        team_options(packet_bytes, peer_timeout_seconds)));
 }
 
 at::Tensor create_cpu_team_id_op() {
-  const CpuTeamId id = create_cpu_team_id();
-  at::Tensor bytes = at::empty({int64_t(sizeof(id.bytes))}, at::kByte);
-  std::memcpy(bytes.data_ptr(), id.bytes, sizeof(id.bytes));
-  return bytes;
+  return id_tensor(create_cpu_team_id());
 }
 
 int64_t create_cpu_process_team_op(const at::Tensor& team_id, int64_t rank, int64_t world_size,
                                    int64_t packet_bytes, double peer_timeout_seconds) {
-  CpuTeamId id;
-  TORCH_CHECK(team_id.scalar_type() == at::kByte && team_id.numel() == sizeof(id.bytes) &&
-                  team_id.device().is_cpu(),
-              "tpfuse::create_cpu_process_team: team_id must be a CPU uint8 tensor of ",
-              sizeof(id.bytes), " bytes (from create_cpu_team_id)");
-  std::memcpy(id.bytes, team_id.contiguous().data_ptr(), sizeof(id.bytes));
+  const auto id =
+      id_of<CpuTeamId>(team_id, "create_cpu_process_team: team_id", "create_cpu_team_id");
   return Registry::instance().add(create_cpu_team(
       id, int(rank), int(world_size), team_options(packet_bytes, peer_timeout_seconds)));
 }
