@@ -19,6 +19,15 @@ traced by Inductor's pattern matcher (post-grad). On the installed group:
 - MiniMax-M2's QK norm as a TP engine writes it (one all-reduce of both mean squares, q and k
   split or sliced from one packed qkv) becomes one ``tpfuse::allreduce_qk_rmsnorm``; a second
   stage folds the rotate-half partial RoPE applied to its outputs (vLLM's ``forward_native``).
+- The FP8 E4M3 quantization of a fused norm's output as model code writes it (``quant_fp8_static``,
+  ``quant_fp8_per_token``, ``quant_fp8_group`` below: per tensor with a static scale, per token,
+  per token group of 128) becomes that op's FP8 output (``tpfuse::allreduce_add_rmsnorm_fp8``),
+  its norm output kept for its other readers (a third stage). A norm whose bf16 output is only
+  upcast again must keep its rounding in the graph: Inductor's joint-graph ``pointless_convert``
+  drops the rounding of norms computed in fp32 and cast at the end (``F.rms_norm``, the
+  zero-centered form) when they are upcast, and those sites stay unfused; the weight-first and
+  weight-last forms (HF's Llama and MiniMax-M2, vLLM's ``forward_native``) round before the
+  weight and are fused.
 
 Numerics: the fused op sums in fp32 and rounds once, so its outputs can differ from the unfused
 graph's (which rounds the all-reduce, then the add) in the last bits.
@@ -485,6 +494,170 @@ class QkNormRope(FusedPattern):
         self.fusion.stats[self.stat] += 1
 
 
+# --- The norm's FP8 output, quantized as model code writes it in torch ops, folded into the fused
+# op the first stage made (a third stage, on graphs the norm patterns rewrote). Matched: the
+# division form with the clamp to +-448 before the cast, per tensor (a static fp32 scale of one
+# element), per token, and per token group of 128 along hidden, the dynamic scales as
+# max(amax, 1e-10) / 448 over the norm output upcast to fp32 (SGLang's and DeepSeek's reference
+# form). Not matched (left unfused, as the ops differ in bits): a multiply by the scale's
+# reciprocal, a floor on the scale instead of the amax or any other floor, amax taken before the
+# upcast with its floor in bf16, column-major scales (call the op with column_major_scales).
+
+FUSED_NORM_FP8 = torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_QUANT_MIN_AMAX = 1e-10  # tpfuse/limits.h: kQuantMinAmax
+QUANT_GROUP = 128
+
+
+def quant_fp8_static(n, scale):
+    """q = e4m3(n / scale), the scale a float32 tensor of one element."""
+    return (n.float() / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+
+
+def quant_fp8_per_token(n):
+    """(q, scale [..., 1]): each token's scale max(amax, 1e-10) / 448."""
+    nf = n.float()
+    scale = nf.abs().amax(-1, keepdim=True).clamp(min=_QUANT_MIN_AMAX) / _FP8_MAX
+    return (nf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
+
+
+def quant_fp8_group(n):
+    """(q, scale [..., hidden / 128, 1]): a scale per token and group of 128 along hidden."""
+    nf = n.float().reshape(*n.shape[:-1], n.shape[-1] // QUANT_GROUP, QUANT_GROUP)
+    scale = nf.abs().amax(-1, keepdim=True).clamp(min=_QUANT_MIN_AMAX) / _FP8_MAX
+    q = (nf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).reshape(n.shape)
+    return q, scale
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _node_before(first: torch.fx.Node, second: torch.fx.Node) -> bool:
+    """Whether `first` comes before `second` in their graph."""
+    if first.op in ("placeholder", "get_attr"):
+        return True
+    for node in first.graph.nodes:
+        if node is first:
+            return True
+        if node is second:
+            return False
+    return False
+
+
+class NormQuantFp8(FusedPattern):
+    """The FP8 quantization (above) of a fused add + RMSNorm's norm output, possibly viewed to
+    other token dims, -> that op with the FP8 output: the op is retargeted to
+    allreduce_add_rmsnorm_fp8 in place (its norm and residual outputs, and their other users,
+    stay) and the quantization's outputs become views of its quant_out and scales."""
+
+    # quant: tpfuse.Quant's value; the stat counts the sites by the bench's op names.
+    modes = {
+        "static": (quant_fp8_static, 1, "allreduce_add_rmsnorm_fp8"),
+        "per_token": (quant_fp8_per_token, 2, "allreduce_add_rmsnorm_fp8_token"),
+        "group128": (quant_fp8_group, 3, "allreduce_add_rmsnorm_fp8_group128"),
+    }
+
+    def __init__(self, fusion, mode: str):
+        super().__init__(fusion)
+        self.mode = mode
+        self.quantize, self.quant, self.stat = self.modes[mode]
+        self.argnames = ["n", "scale"] if mode == "static" else ["n"]
+
+    def example_inputs(self):
+        specs = [((5, 2 * QUANT_GROUP), torch.bfloat16)]
+        if self.mode == "static":
+            specs.append(((1,), torch.float32))
+        return _fake_inputs(*specs)
+
+    def register(self, patterns: PatternMatcherPass) -> None:
+        generic = gen_pattern(self.quantize, self.example_inputs(), _trace)
+        register_graph_pattern(generic, extra_check=self.check, pass_dict=patterns)(self.rewrite)
+
+    @staticmethod
+    def norm_op_of(n: torch.fx.Node) -> Optional[torch.fx.Node]:
+        """The fused add + RMSNorm (without FP8 output) whose norm output `n` is, through views."""
+        while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
+            n = n.args[0]
+        if not isinstance(n, torch.fx.Node) or n.target is not operator.getitem:
+            return None
+        op, index = n.args
+        if index != 0 or not isinstance(op, torch.fx.Node) or op.target != FUSED_NORM:
+            return None
+        return op
+
+    def fits(self, match: Match) -> Optional[torch.fx.Node]:
+        """The op to retarget, when the match is the quantization at its own sizes and fits it."""
+        kwargs = match.kwargs
+        op = self.norm_op_of(kwargs["n"])
+        if op is None:
+            return None
+        values = [kwargs[name].meta.get("val") for name in self.argnames]
+        if any(value is None for value in values):
+            return None
+        n = values[0]
+        hidden = n.shape[-1] if n.dim() >= 1 else None
+        if n.dtype not in (torch.bfloat16, torch.float16) or not isinstance(hidden, int):
+            return None
+        if self.mode == "group128" and hidden % QUANT_GROUP:
+            return None
+        if self.mode == "static":
+            scale = values[1]
+            if scale.dtype != torch.float32 or scale.numel() != 1:
+                return None
+            if not _node_before(kwargs["scale"], op):  # the op moves nowhere: it must see it
+                return None
+        # What register_replacement does for its patterns: the pattern again at these sizes,
+        # with no constant ignored.
+        with torch._dynamo.utils.detect_fake_mode(values):
+            specific = fx_to_pattern(_trace(self.quantize, values), argnames=self.argnames)
+        if not is_match(specific.match(match.output_nodes()[0])):
+            return None
+        return op
+
+    def check(self, match):
+        return self.fits(match) is not None
+
+    def rewrite(self, match: Match, *args, **kwargs) -> None:
+        op = self.fits(match)
+        arguments = op_arguments(op)
+        scale = kwargs["scale"] if self.mode == "static" else None
+        new_args = (
+            arguments["team"], arguments["input"], arguments["residual"], arguments["weight"],
+            arguments["eps"], self.quant, scale, False, arguments["algorithm"],
+            arguments.get("norm_weight", 0),
+        )
+        with torch._dynamo.utils.detect_fake_mode([op.meta["val"][0]]):
+            fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in new_args]
+            value = FUSED_NORM_FP8(*fake)
+        op.target, op.args, op.kwargs = FUSED_NORM_FP8, new_args, {}
+        op.meta["val"] = value
+        if "eager_input_vals" in op.meta:  # what Inductor holds the op's layouts to
+            op.meta["eager_input_vals"] = (tuple(fake), {})
+        graph = op.graph
+        outputs = []
+        with graph.inserting_after(op):
+            for index in (3, 2):
+                item = graph.call_function(operator.getitem, (op, index))
+                item.meta["val"] = value[index]
+                outputs.insert(0, item)
+        quant_out, scales = outputs
+
+        def views(quant_out, scales, n):
+            q = quant_out.view(n.shape)
+            if self.mode == "static":
+                return q
+            groups = n.shape[-1] // QUANT_GROUP if self.mode == "group128" else 1
+            lead = n.shape[:-1] if self.mode == "per_token" else (*n.shape[:-1], groups)
+            return q, scales.view(*lead, 1)
+
+        match.replace_by_example(views, [quant_out, scales, kwargs["n"]])
+        for item in outputs:
+            if not item.users:
+                graph.erase_node(item)
+        self.fusion.stats[self.stat] += 1
+
+
 def _ops_of(graph: torch.fx.Graph) -> List[str]:
     return [str(node.target) for node in graph.nodes if node.op == "call_function"]
 
@@ -517,6 +690,7 @@ class TpfusePass(CustomGraphPass):
         self.group_name = group.group_name
         self.stats: Dict[str, int] = {
             "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
+            **{stat: 0 for _, _, stat in NormQuantFp8.modes.values()},
         }
         self.graphs: List[Dict[str, Any]] = []
         norm_forms = list(NORM_FORMS)
@@ -528,9 +702,13 @@ class TpfusePass(CustomGraphPass):
             QkNormSlices(self),
         ]
         self.rope_patterns: List[FusedPattern] = [QkNormRope(self)]
+        self.quant_patterns: List[FusedPattern] = [NormQuantFp8(self, mode)
+                                                   for mode in NormQuantFp8.modes]
         self.stages = [PatternMatcherPass(pass_name="tpfuse_allreduce_norms"),
-                       PatternMatcherPass(pass_name="tpfuse_qk_rope")]
-        for stage, patterns in zip(self.stages, (self.patterns, self.rope_patterns)):
+                       PatternMatcherPass(pass_name="tpfuse_qk_rope"),
+                       PatternMatcherPass(pass_name="tpfuse_norm_quant")]
+        stage_patterns = (self.patterns, self.rope_patterns, self.quant_patterns)
+        for stage, patterns in zip(self.stages, stage_patterns):
             for pattern in patterns:
                 pattern.register(stage)
 
@@ -571,7 +749,7 @@ class TpfusePass(CustomGraphPass):
         # The team handle is baked into the rewritten graph and means something in this process
         # only: Inductor's caches must not hand the graph to another process.
         key = (os.getpid(), self.team, self.group_name, self.world_size)
-        return hashlib.sha256(b"tpfuse.passes/2" + repr(key).encode()).digest()
+        return hashlib.sha256(b"tpfuse.passes/3" + repr(key).encode()).digest()
 
 
 def make_pass(team: Team, group: Optional["torch.distributed.ProcessGroup"] = None) -> TpfusePass:
