@@ -14,6 +14,8 @@ constexpr int64_t kMaxHidden = 16384;
 constexpr int64_t kQuantGroupSize = 128;
 // The dynamic scales' floor: scale = max(amax, kQuantMinAmax) / 448 (an all-zero row stays 0).
 constexpr float kQuantMinAmax = 1e-10f;
+// MoE finalize: at most kMaxMoeTopK expert rows a token.
+constexpr int kMaxMoeTopK = 16;
 // QK norm: this rank's q_size + kv_size at most kMaxQkWidth 16-bit elements (half as many fp32),
 // and at most kMaxQkRopeWidth with RoPE.
 constexpr int64_t kMaxQkWidth = 32768;

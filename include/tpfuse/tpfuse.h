@@ -276,6 +276,18 @@ struct AddRmsNormArgs {
   const float* quant_scale = nullptr;
   float* scales_out = nullptr;
   bool scales_column_major = false;  // kPerTokenGroup128's layout (above)
+  // MoE finalize, in place of input: this rank's top-k expert output rows
+  // moe_expert_rows [tokens, moe_topk, hidden] (dtype), their routing weights moe_weights
+  // [tokens, moe_topk] (fp32, or dtype with moe_weights_in_dtype) and, where the model has one, a
+  // shared expert's rows moe_shared [tokens, hidden] (dtype). This rank's contribution is then
+  // sum_j weights[t, j] * rows[t, j] in fp32 with j in order (each product rounded, then each
+  // add), plus the shared row, rounded once to dtype; input must be null. With a residual and
+  // NormWeight::kGamma; moe_topk at most kMaxMoeTopK.
+  const void* moe_expert_rows = nullptr;
+  const void* moe_weights = nullptr;
+  const void* moe_shared = nullptr;
+  int moe_topk = 0;
+  bool moe_weights_in_dtype = false;
   int64_t tokens = 0;
   int64_t hidden = 0;
   DType dtype = DType::kBFloat16;

@@ -31,6 +31,7 @@ from .ops import (  # noqa: E402  (the library must be loaded first)
     allreduce_add_rmsnorm_,
     allreduce_add_rmsnorm_fp8,
     allreduce_add_rmsnorm_fp8_,
+    allreduce_moe_finalize_add_rmsnorm,
     allreduce_qk_rmsnorm,
     reject_call,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "allreduce_add_rmsnorm_",
     "allreduce_add_rmsnorm_fp8",
     "allreduce_add_rmsnorm_fp8_",
+    "allreduce_moe_finalize_add_rmsnorm",
     "allreduce_qk_rmsnorm",
     "cpu_team",
     "cuda_team",

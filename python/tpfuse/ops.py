@@ -166,6 +166,38 @@ def allreduce_add_rmsnorm_fp8_(
     )
 
 
+def allreduce_moe_finalize_add_rmsnorm(
+    team: Union[Team, int],
+    expert_rows: torch.Tensor,
+    routing_weights: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    shared_expert: Optional[torch.Tensor] = None,
+    quant: Union[str, int, None] = None,
+    scale: Optional[torch.Tensor] = None,
+    algorithm: Union[str, int] = "auto",
+    column_major_scales: bool = False,
+) -> Tuple[torch.Tensor, ...]:
+    """The MoE finalize fused in: this rank's contribution to the all-reduce is
+    sum_j routing_weights[t, j] * expert_rows[t, j] (+ shared_expert[t]), in fp32 with j in order,
+    rounded once to the rows' dtype; then as allreduce_add_rmsnorm. expert_rows
+    [tokens, topk, hidden] (topk <= 16), routing_weights [tokens, topk] float32 or the rows'
+    dtype, residual [tokens, hidden]. Returns (norm_out, residual_out), and with `quant` (see
+    allreduce_add_rmsnorm_fp8) also (quant_out, scales)."""
+    name = "allreduce_moe_finalize_add_rmsnorm"
+    handle = _handle(team, name)
+    if quant is None:
+        return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm(
+            handle, expert_rows, routing_weights, residual, weight, eps, shared_expert,
+            _algorithm(algorithm, handle),
+        )
+    return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8(
+        handle, expert_rows, routing_weights, residual, weight, eps, _quant(quant, handle), scale,
+        bool(column_major_scales), shared_expert, _algorithm(algorithm, handle),
+    )
+
+
 def allreduce(
     team: Union[Team, int], input: torch.Tensor, algorithm: Union[str, int] = "auto"
 ) -> torch.Tensor:

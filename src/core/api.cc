@@ -167,7 +167,17 @@ RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args) {
   call.quant_scale = args.quant_scale;
   call.scales_out = args.scales_out;
   call.scales_column_major = args.scales_column_major;
+  call.moe_rows = args.moe_expert_rows;
+  call.moe_weights = args.moe_weights;
+  call.moe_shared = args.moe_shared;
+  call.moe_topk = args.moe_topk;
+  call.moe_weights_in_dtype = args.moe_weights_in_dtype;
   return call;
+}
+
+RowEpilogueKind row_epilogue_of(const AddRmsNormArgs& args) {
+  return {args.residual != nullptr, true, args.norm_weight, args.quant != QuantMode::kNone,
+          args.moe_expert_rows != nullptr};
 }
 
 QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
@@ -204,12 +214,13 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
 }
 
 CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
-                            int64_t hidden, float eps, QuantMode quant) {
+                            int64_t hidden, float eps, QuantMode quant, int moe_topk) {
   const uint32_t word0 = uint32_t(op) | uint32_t(dtype) << 4 | uint32_t(epilogue.residual) << 8 |
                          uint32_t(epilogue.norm) << 9 | uint32_t(epilogue.weight) << 10 |
-                         uint32_t(quant) << 12;
-  const uint32_t extra[] = {epilogue.norm ? float_bits(eps) : 0u};
-  return make_signature(word0, uint32_t(tokens), uint32_t(hidden), extra, 1);
+                         uint32_t(quant) << 12 | uint32_t(epilogue.moe) << 16;
+  const uint32_t extra[] = {epilogue.norm ? float_bits(eps) : 0u,
+                            epilogue.moe ? uint32_t(moe_topk) : 0u};
+  return make_signature(word0, uint32_t(tokens), uint32_t(hidden), extra, 2);
 }
 
 CallSignature qk_signature(const QkNormArgs& a) {
@@ -277,7 +288,10 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
                               {"norm_out", args.norm_out},
                               {"quant_out", args.quant_out},
                               {"quant_scale", args.quant_scale},
-                              {"scales_out", args.scales_out}},
+                              {"scales_out", args.scales_out},
+                              {"moe_expert_rows", args.moe_expert_rows},
+                              {"moe_weights", args.moe_weights},
+                              {"moe_shared", args.moe_shared}},
                              stream, op);
   } catch (const Error&) {
     take_rejected_turn(state, args.algorithm, args.tokens, args.hidden, args.dtype, stream, op);
@@ -300,8 +314,8 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
   const CallOp call_op =
       algorithm == Algorithm::kOneShot ? CallOp::kRowsOneShot : CallOp::kRowsTwoShot;
   RowCall call = make_row_call(&state, args);
-  call.signature =
-      row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps, args.quant);
+  call.signature = row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps,
+                                 args.quant, args.moe_topk);
   if (args.tokens == 0) {
     // Still a turn: a peer whose call has tokens learns that this one had none.
     if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
@@ -330,9 +344,7 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
 }  // namespace impl
 
 Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
-  const impl::RowEpilogueKind epilogue{args.residual != nullptr, true, args.norm_weight,
-                                       args.quant != QuantMode::kNone};
-  return impl::run_rows(team, args, epilogue, stream, "allreduce_add_rmsnorm");
+  return impl::run_rows(team, args, impl::row_epilogue_of(args), stream, "allreduce_add_rmsnorm");
 }
 
 Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
@@ -427,8 +439,7 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {
   const char* op = "add_rmsnorm";
   TPF_CHECK_ARG(args.residual != nullptr, op, "residual is null");
-  const impl::RowEpilogueKind epilogue{true, true, args.norm_weight,
-                                       args.quant != QuantMode::kNone};
+  const impl::RowEpilogueKind epilogue = impl::row_epilogue_of(args);
   impl::validate_add_rmsnorm(args, epilogue, op);
   const impl::BackendOps& ops = impl::require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);

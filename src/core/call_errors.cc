@@ -46,6 +46,10 @@ void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer)
   } else if (field(mine, 10, 3) != field(theirs, 10, 3)) {
     out << "norm_weight: " << norm_weight_name(NormWeight(int(field(mine, 10, 3)))) << " here, "
         << norm_weight_name(NormWeight(int(field(theirs, 10, 3)))) << " on rank " << peer;
+  } else if (field(mine, 0, 0xf) != uint32_t(CallOp::kQkOneShot) &&
+             field(mine, 16, 1) != field(theirs, 16, 1)) {
+    out << "the input: " << (field(mine, 16, 1) ? "a MoE combine" : "input") << " here, "
+        << (field(theirs, 16, 1) ? "a MoE combine" : "input") << " on rank " << peer;
   } else if (field(mine, 0, 0xf) != uint32_t(CallOp::kQkOneShot)) {
     // Row calls keep their FP8 output's mode where the QK norm keeps its RoPE style.
     out << "quant: " << quant_mode_name(QuantMode(int(field(mine, 12, 3)))) << " here, "
@@ -70,7 +74,8 @@ std::string describe_mismatch(const ErrorRecord& e, int rank) {
     out << "the width (hidden, or q_global_size): " << e.mine.word[2] << " here, "
         << e.theirs.word[2] << " on rank " << peer;
   } else {
-    out << "eps (or, for the QK norm, k_global_size, head_dim, rotary_dim or kv_replicas)";
+    out << "eps or the MoE top-k (or, for the QK norm, k_global_size, head_dim, rotary_dim or "
+           "kv_replicas)";
   }
   out << ". Every rank must make the same call (op, algorithm, dtype, epilogue, tokens, widths, "
          "eps); that call's outputs are NaN and the team is failed: create a new one";

@@ -30,6 +30,12 @@ struct RowCall {
   const float* quant_scale;
   float* scales_out;
   bool scales_column_major;
+  // The MoE combine in place of input (epilogues with kHasMoe): AddRmsNormArgs' fields.
+  const void* moe_rows;
+  const void* moe_weights;
+  const void* moe_shared;
+  int moe_topk;
+  bool moe_weights_in_dtype;
 };
 
 // A QK-norm call (or one of its local halves).
@@ -65,7 +71,10 @@ enum class QkPass : int { kFused = 0, kSums = 1, kNormFromSums = 2 };
 
 // The signatures of a row collective and of the fused QK norm (session.h).
 CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
-                            int64_t hidden, float eps, QuantMode quant = QuantMode::kNone);
+                            int64_t hidden, float eps, QuantMode quant = QuantMode::kNone,
+                            int moe_topk = 0);
+// The epilogue a call's arguments ask for.
+RowEpilogueKind row_epilogue_of(const AddRmsNormArgs& args);
 CallSignature qk_signature(const QkNormArgs& args);
 
 // `team` null: the local form (no exchange; counts_k = 1).

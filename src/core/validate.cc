@@ -172,6 +172,63 @@ void validate_quant(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
   }
 }
 
+// The MoE finalize's arguments: all or none, in the epilogue it is built for, aligned, and apart
+// from every output.
+void validate_moe(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue, size_t bytes,
+                  const char* op) {
+  if (args.moe_expert_rows == nullptr) {
+    TPF_CHECK_ARG(args.moe_weights == nullptr && args.moe_shared == nullptr, op,
+                  "moe_weights or moe_shared given but moe_expert_rows is null");
+    TPF_CHECK_ARG(args.moe_topk == 0 && !args.moe_weights_in_dtype, op,
+                  "moe_topk or moe_weights_in_dtype set but moe_expert_rows is null");
+    return;
+  }
+  TPF_CHECK_ARG(args.input == nullptr, op,
+                "input must be null with moe_expert_rows: the rank's contribution is the MoE "
+                "combine of its expert rows");
+  TPF_CHECK_ARG(args.moe_topk >= 1 && args.moe_topk <= kMaxMoeTopK, op,
+                "moe_topk must be in [1, " << kMaxMoeTopK << "], got " << args.moe_topk);
+  TPF_CHECK_ARG(args.moe_weights != nullptr, op, "moe_weights is null (moe_expert_rows given)");
+  TPF_CHECK_ARG(epilogue.residual, op, "the MoE finalize needs a residual (residual is null)");
+  TPF_CHECK_ARG(args.norm_weight == NormWeight::kGamma, op,
+                "the MoE finalize is built for norm_weight gamma, got "
+                    << norm_weight_name(args.norm_weight));
+  TPF_CHECK_ARG(is_aligned(args.moe_expert_rows), op,
+                "moe_expert_rows must be 16-byte aligned, got " << args.moe_expert_rows);
+  TPF_CHECK_ARG(args.moe_shared == nullptr || is_aligned(args.moe_shared), op,
+                "moe_shared must be 16-byte aligned, got " << args.moe_shared);
+  const size_t weight_size = args.moe_weights_in_dtype ? dtype_size(args.dtype) : sizeof(float);
+  TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(args.moe_weights) % weight_size == 0, op,
+                "moe_weights must be " << weight_size << "-byte aligned, got " << args.moe_weights);
+  const size_t topk = size_t(args.moe_topk);
+  struct Region {
+    const char* name;
+    const void* pointer;
+    size_t bytes;
+  };
+  const Region read[] = {
+      {"moe_expert_rows", args.moe_expert_rows, bytes * topk},
+      {"moe_weights", args.moe_weights, size_t(args.tokens) * topk * weight_size},
+      {"moe_shared", args.moe_shared, bytes}};
+  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
+                         : args.quant == QuantMode::kPerTokenGroup128
+                             ? args.tokens * (args.hidden / kQuantGroupSize)
+                             : 0;
+  const Region written[] = {{"residual_out", args.residual_out, bytes},
+                            {"norm_out", args.norm_out, bytes},
+                            {"quant_out", args.quant_out, size_t(args.tokens * args.hidden)},
+                            {"scales_out", args.scales_out, size_t(scales) * sizeof(float)}};
+  for (const Region& out : written) {
+    for (const Region& in : read) {
+      TPF_CHECK_ARG(out.pointer == nullptr || in.pointer == nullptr ||
+                        disjoint(out.pointer, out.bytes, in.pointer, in.bytes),
+                    op,
+                    out.name << " overlaps " << in.name << ": outputs may not touch the MoE "
+                             << "inputs");
+    }
+  }
+}
+
 void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                           const char* op) {
   TPF_CHECK_ARG(is_known(args.dtype), op,
@@ -184,7 +241,7 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
                     << kMaxHidden << ", got " << args.hidden);
   // With no rows the row tensors may be empty (null: torch's data_ptr of an empty tensor).
   const bool rows = args.tokens > 0;
-  TPF_CHECK_ARG(args.input != nullptr || !rows, op, "input is null");
+  TPF_CHECK_ARG(args.input != nullptr || epilogue.moe || !rows, op, "input is null");
   TPF_CHECK_ARG(args.norm_out != nullptr || !rows, op,
                 (epilogue.norm ? "norm_out" : "out") << " is null");
   if (epilogue.norm) {
@@ -234,6 +291,7 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
                   "residual_out and norm_out are the same tensor");
   }
   validate_quant(args, epilogue, bytes, op);
+  validate_moe(args, epilogue, bytes, op);
 }
 
 void validate_positions_on_host(const QkNormArgs& a, const char* op) {

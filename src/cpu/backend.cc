@@ -34,19 +34,23 @@ class CpuBackend final : public BackendOps {
 
   void oneshot(const TeamState& team, const RowCall& call, DType dtype,
                const RowEpilogueKind& epilogue, cudaStream_t) const override {
-    noting_peer(team, [&] { cpu_oneshot(call, dtype, epilogue); });
+    const CpuMoeInput run(call, dtype, epilogue);
+    noting_peer(team, [&] { cpu_oneshot(run.call(), dtype, run.epilogue()); });
   }
   void twoshot(const TeamState& team, const RowCall& call, DType dtype,
                const RowEpilogueKind& epilogue, cudaStream_t) const override {
-    noting_peer(team, [&] { cpu_twoshot(call, dtype, epilogue); });
+    const CpuMoeInput run(call, dtype, epilogue);
+    noting_peer(team, [&] { cpu_twoshot(run.call(), dtype, run.epilogue()); });
   }
   void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
                  const RowEpilogueKind& epilogue, cudaStream_t) const override {
-    noting_peer(team, [&] { cpu_nccl_path(call, dtype, epilogue); });
+    const CpuMoeInput run(call, dtype, epilogue);
+    noting_peer(team, [&] { cpu_nccl_path(run.call(), dtype, run.epilogue()); });
   }
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                       cudaStream_t) const override {
-    cpu_local_epilogue(call, dtype, epilogue);
+    const CpuMoeInput run(call, dtype, epilogue);
+    cpu_local_epilogue(run.call(), dtype, run.epilogue());
   }
 
   void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,

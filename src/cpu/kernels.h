@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/calls.h"
 #include "tpfuse/impl/epilogue.h"
@@ -19,6 +20,21 @@ void cpu_nccl_path(const RowCall& call, DType dtype, const RowEpilogueKind& epil
 // in one-shot exchanges of at most the workspace's capacity.
 void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, int64_t rows,
                         int64_t row_elements, DType dtype);
+
+// A row call as the CPU row code runs it: with the MoE finalize (epilogue.moe), its combine
+// computed into a buffer (cpu/moe.cc) that call().input points to, and epilogue() the same
+// epilogue reading input; otherwise the call as given.
+class CpuMoeInput {
+ public:
+  CpuMoeInput(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+  const RowCall& call() const { return call_; }
+  const RowEpilogueKind& epilogue() const { return epilogue_; }
+
+ private:
+  RowCall call_;
+  RowEpilogueKind epilogue_;
+  std::vector<Vec16> contribution_;
+};
 
 void cpu_qk_rmsnorm(const QkCall& call, DType dtype, QkPass pass);
 // A call this rank makes without data (a rejection, or no tokens): src/cpu/absent.cc.

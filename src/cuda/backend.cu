@@ -97,10 +97,18 @@ class CudaBackend final : public BackendOps {
     // disjoint from it, and residual_out != norm_out), then the local epilogue reads it from
     // there: each thread reads its vectors of a row before it writes them.
     void* sum = call.norm_out != call.residual ? call.norm_out : call.residual_out;
-    nccl.allreduce(team.nccl_comm, call.input, sum, count, dtype, stream);
+    RowEpilogueKind local_epilogue = epilogue;
+    if (epilogue.moe) {
+      // The MoE combine (a kernel of its own) is this rank's contribution, summed in place.
+      cuda_moe_combine(call, dtype, epilogue, sum, stream);
+      nccl.allreduce(team.nccl_comm, sum, sum, count, dtype, stream);
+      local_epilogue.moe = false;
+    } else {
+      nccl.allreduce(team.nccl_comm, call.input, sum, count, dtype, stream);
+    }
     RowCall local = call;
     local.input = sum;
-    cuda_local_epilogue(local, dtype, epilogue, stream);
+    cuda_local_epilogue(local, dtype, local_epilogue, stream);
   }
 
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,

@@ -16,6 +16,10 @@ void cuda_twoshot(const TeamState& team, const RowCall& call, DType dtype,
                   const RowEpilogueKind& epilogue, cudaStream_t stream);
 void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                          cudaStream_t stream);
+// The MoE combine of a call (epilogue.moe) alone into out [tokens, hidden], rounded to dtype: the
+// NCCL path's contribution.
+void cuda_moe_combine(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue, void* out,
+                      cudaStream_t stream);
 void cuda_qk_rmsnorm(const TeamState& team, const QkCall& call, DType dtype, cudaStream_t stream);
 void cuda_qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream);
 

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCa
   launch_dependents();
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     Vec16 input[kVecsPerThread], residual[kVecsPerThread];
-    load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, input);
     if constexpr (Epilogue::kHasResidual) {
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     }
@@ -41,6 +41,22 @@ __global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCa
     }
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, GammaInMemory{p.gamma}, p, token,
                                             vectors, shared_sums, NoSend{});
+  }
+}
+
+// The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces.
+template <typename T, typename Epilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) moe_combine_kernel(const RowCall p, void* out) {
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  grid_dependency_wait();
+  launch_dependents();
+  for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
+    Vec16 row[kVecsPerThread];
+    load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, row);
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) store_vector(out, token * vectors + owned(i), row[i]);
+    }
   }
 }
 
@@ -64,11 +80,28 @@ void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind
   });
 }
 
+void cuda_moe_combine(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue, void* out,
+                      cudaStream_t stream) {
+  TPF_CHECK_ARG(epilogue.moe, "moe combine", "the call has no MoE finalize");
+  const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
+  const int blocks = int(std::min<int64_t>(call.tokens, 65535));
+  dispatch_row_kernel(dtype, kLocalWorld, epilogue, shape, [&](auto kernel_tag) {
+    using Tag = decltype(kernel_tag);
+    if constexpr (Tag::Epilogue::kHasMoe) {
+      launch(moe_combine_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>, blocks,
+             shape.threads, 0, stream, call, out);
+    }
+  });
+}
+
 void cuda_preload_local_kernels() {
   for_each_row_kernel(kLocalWorld, [](auto kernel_tag) {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasNorm) {
       preload(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);
+    }
+    if constexpr (Tag::Epilogue::kHasMoe) {
+      preload(moe_combine_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);
     }
   });
 }

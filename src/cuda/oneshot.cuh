@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
+  const Session session(begin_call<T, Epilogue, kVecsPerThread>(p, vectors, input));
   // A failed team sends nothing, so its peers time out too and every rank reports the failure.
   if (session.failed()) return;
 
@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
   send_header(session, p.exchange, p.signature);
   const size_t send_offset = session.send_offset(p.exchange);
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    if (token != blockIdx.x)
+      load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, input);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (!owns<kVecsPerThread>(i, vectors)) continue;
@@ -113,11 +114,17 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
     if constexpr (Epilogue::kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
-    // A block with a single token still holds its input row in registers.
+    // A block with a single token still holds its contribution in registers; a MoE combine is
+    // computed again rather than read from memory (it is in none).
+    const bool own_in_registers = gridDim.x >= p.tokens;
+    if constexpr (Epilogue::kHasMoe) {
+      if (!own_in_registers)
+        load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, input);
+    }
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, slot_base + token * vectors, p.exchange.packet_bytes,
-        reinterpret_cast<const Vec16*>(p.input) + token * vectors, input, gridDim.x >= p.tokens,
-        world, vectors, session, p);
+        reinterpret_cast<const Vec16*>(p.input) + token * vectors, input,
+        own_in_registers || Epilogue::kHasMoe, world, vectors, session, p);
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, gamma, p, token, vectors, shared_sums,
                                             NoSend{});
   }

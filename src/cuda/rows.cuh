@@ -31,15 +31,62 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
   }
 }
 
+// This thread's vectors of token `token`'s contribution to the sum: its input row, or (kHasMoe)
+// the MoE combine of its expert rows (epilogue.h's steps), rounded once to T. The expert rows are
+// loaded kChunk at a time, all in flight before the first is added, and added in order.
+template <typename T, typename Epilogue, int kVecsPerThread>
+__device__ __forceinline__ void load_contribution(const RowCall& p, int64_t token, int64_t vectors,
+                                                  Vec16 (&out)[kVecsPerThread]) {
+  if constexpr (Epilogue::kHasMoe) {
+    constexpr int kChunk = kVecsPerThread <= 2 ? 4 : 1;
+    float acc[kVecsPerThread][Packed<T>::kElements] = {};
+    for (int first = 0; first < p.moe_topk; first += kChunk) {
+      Vec16 rows[kChunk][kVecsPerThread];
+      float weights[kChunk];
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        if (first + c >= p.moe_topk) break;
+        const int64_t row = token * p.moe_topk + first + c;
+        weights[c] = moe_weight<T>(p.moe_weights, p.moe_weights_in_dtype, row);
+        load_row<kVecsPerThread>(p.moe_rows, row * vectors, vectors, rows[c]);
+      }
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        if (first + c >= p.moe_topk) break;
+#pragma unroll
+        for (int i = 0; i < kVecsPerThread; ++i) {
+          if (owns<kVecsPerThread>(i, vectors)) {
+            moe_accumulate<T>(acc[i], rows[c][i], weights[c], first + c == 0);
+          }
+        }
+      }
+    }
+    if (p.moe_shared != nullptr) {
+      Vec16 shared[kVecsPerThread];
+      load_row<kVecsPerThread>(p.moe_shared, token * vectors, vectors, shared);
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        if (owns<kVecsPerThread>(i, vectors)) moe_add_shared<T>(acc[i], shared[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) out[i] = pack<T>(acc[i]);
+    }
+  } else {
+    load_row<kVecsPerThread>(p.input, token * vectors, vectors, out);
+  }
+}
+
 // The start of a one-shot or two-shot call, after griddepcontrol.wait: thread 0 reads the control
-// block while every thread loads its block's first input row (the two latencies overlap); the
-// barrier gives every thread what thread 0 read.
-template <int kVecsPerThread>
-__device__ __forceinline__ CallState begin_call(const ControlBlock* control, const void* input,
-                                                int64_t vectors, Vec16 (&row)[kVecsPerThread]) {
+// block while every thread loads its block's first contribution row (the two latencies overlap);
+// the barrier gives every thread what thread 0 read.
+template <typename T, typename Epilogue, int kVecsPerThread>
+__device__ __forceinline__ CallState begin_call(const RowCall& p, int64_t vectors,
+                                                Vec16 (&row)[kVecsPerThread]) {
   __shared__ CallState shared_state;
-  if (threadIdx.x == 0) shared_state = read_call_state<GridCoop>(control);
-  load_row<kVecsPerThread>(input, int64_t(blockIdx.x) * vectors, vectors, row);
+  if (threadIdx.x == 0) shared_state = read_call_state<GridCoop>(p.exchange.control);
+  load_contribution<T, Epilogue, kVecsPerThread>(p, blockIdx.x, vectors, row);
   __syncthreads();
   return shared_state;
 }

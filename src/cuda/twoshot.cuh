@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
 
   // 1. The control block and the first input row (begin_call).
   Vec16 input[kVecsPerThread];
-  const Session session(begin_call<kVecsPerThread>(control, p.input, vectors, input));
+  const Session session(begin_call<T, Epilogue, kVecsPerThread>(p, vectors, input));
   if (session.failed()) return;  // a failed team sends nothing (see oneshot.cuh)
   const size_t my_sender_offset = session.send_offset(p.exchange);
   send_header(session, p.exchange, p.signature);
@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
     const int owner = layout.owner(token);
     if (owner == p.exchange.rank) continue;
-    if (token != blockIdx.x) load_row<kVecsPerThread>(p.input, token * vectors, vectors, input);
+    if (token != blockIdx.x)
+      load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, input);
     Vec16* destination =
         reinterpret_cast<Vec16*>(p.exchange.workspace[owner] + my_sender_offset +
                                  layout.scatter_row(token - layout.begin(owner), row_bytes));
@@ -98,10 +99,13 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
     if constexpr (Epilogue::kHasResidual)
       load_row<kVecsPerThread>(p.residual, token * vectors, vectors, residual);
     float acc[kVecsPerThread][kElements];
+    // This rank's own row from its input, or a MoE combine computed again (it is in no memory).
+    if constexpr (Epilogue::kHasMoe)
+      load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, input);
     receive_row<T, kWorldSize, kVecsPerThread>(
         acc, reinterpret_cast<const Vec16*>(my_slot + layout.scatter_row(local, row_bytes)),
         p.exchange.packet_bytes, reinterpret_cast<const Vec16*>(p.input) + token * vectors, input,
-        false, world, vectors, session, p);
+        Epilogue::kHasMoe, world, vectors, session, p);
     const size_t gather_offset = my_sender_offset + layout.gather_row(local, row_bytes);
     finish_row<T, kVecsPerThread, Epilogue>(
         acc, residual, gamma, p, token, vectors, shared_sums, [&](int i, const Vec16& rounded) {

@@ -227,12 +227,22 @@ Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bo
   return out;
 }
 
-// Checks an add-RMSNorm call's tensors and runs it into the given outputs.
+// The MoE finalize's tensors, in place of input (AddRmsNormArgs::moe_*).
+struct MoeInputs {
+  const at::Tensor& expert_rows;      // [tokens, topk, hidden]
+  const at::Tensor& routing_weights;  // [tokens, topk], float32 or the rows' dtype
+  const at::Tensor* shared_expert;    // [tokens, hidden] or null
+};
+
+// Checks an add-RMSNorm call's tensors and runs it into the given outputs. With `moe`, `input`
+// is the residual, the tensor the others are checked against, and the call's input is the MoE
+// combine.
 void run_add_rmsnorm(
     int64_t team_handle, const at::Tensor& input, const at::Tensor* residual,
     const at::Tensor& weight, double eps, int64_t algorithm, int64_t norm_weight,
     const at::Tensor& norm_out, const at::Tensor& residual_out, const char* op,
-    const std::function<void()>& op_checks = [] {}, const Fp8Outputs* fp8 = nullptr) {
+    const std::function<void()>& op_checks = [] {}, const Fp8Outputs* fp8 = nullptr,
+    const MoeInputs* moe = nullptr) {
   const Team team = Registry::instance().get(team_handle, op);
   AddRmsNormArgs args;
   cudaStream_t stream = nullptr;
@@ -252,7 +262,38 @@ void run_add_rmsnorm(
           TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
                       input.sizes(), ", got ", residual->sizes());
         }
-        args.input = input.data_ptr();
+        args.input = moe != nullptr ? nullptr : input.data_ptr();
+        if (moe != nullptr) {
+          const at::Tensor& rows = moe->expert_rows;
+          check_like(rows, input, op, "expert_rows");
+          TORCH_CHECK(
+              rows.dim() == 3 && rows.size(0) == input.size(0) && rows.size(2) == input.size(1),
+              "tpfuse::", op, ": expert_rows must be [tokens = ", input.size(0),
+              ", topk, hidden = ", input.size(1), "], got ", rows.sizes());
+          const at::Tensor& weights = moe->routing_weights;
+          TORCH_CHECK(
+              weights.scalar_type() == at::kFloat || weights.scalar_type() == rows.scalar_type(),
+              "tpfuse::", op, ": routing_weights must be float32 or ", rows.scalar_type(), ", got ",
+              weights.scalar_type());
+          TORCH_CHECK(weights.device() == input.device() && weights.is_contiguous(), "tpfuse::", op,
+                      ": routing_weights must be contiguous and on ", input.device());
+          TORCH_CHECK(weights.dim() == 2 && weights.size(0) == rows.size(0) &&
+                          weights.size(1) == rows.size(1),
+                      "tpfuse::", op, ": routing_weights must be [tokens, topk] = [", rows.size(0),
+                      ", ", rows.size(1), "], got ", weights.sizes());
+          if (moe->shared_expert != nullptr) {
+            check_like(*moe->shared_expert, input, op, "shared_expert");
+            TORCH_CHECK(moe->shared_expert->sizes() == input.sizes(), "tpfuse::", op,
+                        ": shared_expert must be ", input.sizes(), ", got ",
+                        moe->shared_expert->sizes());
+          }
+          args.moe_expert_rows = rows.data_ptr();
+          args.moe_weights = weights.data_ptr();
+          args.moe_shared =
+              moe->shared_expert != nullptr ? moe->shared_expert->data_ptr() : nullptr;
+          args.moe_topk = int(std::min<int64_t>(rows.size(1), kMaxMoeTopK + 1));
+          args.moe_weights_in_dtype = weights.scalar_type() != at::kFloat;
+        }
         args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
         args.gamma = weight.data_ptr();
         args.residual_out = residual_out.data_ptr();
@@ -300,6 +341,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm
   run_add_rmsnorm(
       team_handle, input, residual ? &*residual : nullptr, weight, eps, algorithm, norm_weight,
       norm_out, residual_out, op, [] {}, &fp8);
+  return {norm_out, residual_out, fp8.quant_out, fp8.scales};
+}
+
+// MoE finalize + all-reduce + add + RMSNorm: this rank's contribution is the routing-weighted sum
+// of its expert rows (and the shared expert's row), AddRmsNormArgs::moe_*.
+std::tuple<at::Tensor, at::Tensor> allreduce_moe_finalize_add_rmsnorm(
+    int64_t team_handle, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
+    const at::Tensor& residual, const at::Tensor& weight, double eps,
+    const std::optional<at::Tensor>& shared_expert, int64_t algorithm) {
+  const char* op = "allreduce_moe_finalize_add_rmsnorm";
+  at::Tensor norm_out = at::empty_like(residual);
+  at::Tensor residual_out = at::empty_like(residual);
+  const MoeInputs moe{expert_rows, routing_weights, shared_expert ? &*shared_expert : nullptr};
+  run_add_rmsnorm(
+      team_handle, residual, &residual, weight, eps, algorithm, 0, norm_out, residual_out, op,
+      [] {}, nullptr, &moe);
+  return {norm_out, residual_out};
+}
+
+// The same, and the norm's FP8 output: (norm_out, residual_out, quant_out, scales).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_moe_finalize_add_rmsnorm_fp8(
+    int64_t team_handle, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
+    const at::Tensor& residual, const at::Tensor& weight, double eps, int64_t quant,
+    const std::optional<at::Tensor>& scale, bool column_major_scales,
+    const std::optional<at::Tensor>& shared_expert, int64_t algorithm) {
+  const char* op = "allreduce_moe_finalize_add_rmsnorm_fp8";
+  const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, residual, op);
+  at::Tensor norm_out = at::empty_like(residual);
+  at::Tensor residual_out = at::empty_like(residual);
+  const MoeInputs moe{expert_rows, routing_weights, shared_expert ? &*shared_expert : nullptr};
+  run_add_rmsnorm(
+      team_handle, residual, &residual, weight, eps, algorithm, 0, norm_out, residual_out, op,
+      [] {}, &fp8, &moe);
   return {norm_out, residual_out, fp8.quant_out, fp8.scales};
 }
 
@@ -505,6 +579,36 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8__meta(
           empty_scales(quant, column_major_scales, input, op)};
 }
 
+std::tuple<at::Tensor, at::Tensor> allreduce_moe_finalize_add_rmsnorm_meta(
+    int64_t, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
+    const at::Tensor& residual, const at::Tensor& weight, double,
+    const std::optional<at::Tensor>& shared_expert, int64_t) {
+  check_meta("allreduce_moe_finalize_add_rmsnorm", {{"expert_rows", &expert_rows},
+                                                    {"routing_weights", &routing_weights},
+                                                    {"residual", &residual},
+                                                    {"weight", &weight},
+                                                    {"shared_expert", optional_of(shared_expert)}});
+  return {at::empty_like(residual), at::empty_like(residual)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+allreduce_moe_finalize_add_rmsnorm_fp8_meta(
+    int64_t, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
+    const at::Tensor& residual, const at::Tensor& weight, double, int64_t quant,
+    const std::optional<at::Tensor>& scale, bool column_major_scales,
+    const std::optional<at::Tensor>& shared_expert, int64_t) {
+  const char* op = "allreduce_moe_finalize_add_rmsnorm_fp8";
+  check_meta(op, {{"expert_rows", &expert_rows},
+                  {"routing_weights", &routing_weights},
+                  {"residual", &residual},
+                  {"weight", &weight},
+                  {"scale", optional_of(scale)},
+                  {"shared_expert", optional_of(shared_expert)}});
+  return {at::empty_like(residual), at::empty_like(residual),
+          at::empty(residual.sizes(), residual.options().dtype(at::kFloat8_e4m3fn)),
+          empty_scales(quant, column_major_scales, residual, op)};
+}
+
 at::Tensor allreduce_meta(int64_t, const at::Tensor& input, int64_t) {
   return at::empty_like(input);
 }
@@ -634,6 +738,16 @@ TORCH_LIBRARY(tpfuse, m) {
       "float eps, int quant, Tensor? scale=None, bool column_major_scales=False, int algorithm=0, "
       "int norm_weight=0) -> "
       "(Tensor quant_out, Tensor scales)");
+  m.def(
+      "allreduce_moe_finalize_add_rmsnorm(int team, Tensor expert_rows, Tensor routing_weights, "
+      "Tensor residual, Tensor weight, float eps, Tensor? shared_expert=None, int algorithm=0) "
+      "-> (Tensor norm_out, Tensor residual_out)");
+  m.def(
+      "allreduce_moe_finalize_add_rmsnorm_fp8(int team, Tensor expert_rows, "
+      "Tensor routing_weights, Tensor residual, Tensor weight, float eps, int quant, "
+      "Tensor? scale=None, bool column_major_scales=False, Tensor? shared_expert=None, "
+      "int algorithm=0) -> (Tensor norm_out, Tensor residual_out, Tensor quant_out, "
+      "Tensor scales)");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(
       "allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_weight, Tensor k_weight, int q_size, "
@@ -667,6 +781,8 @@ TORCH_LIBRARY_IMPL(tpfuse, CPU, m) {
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
   m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8);
   m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8_);
+  m.impl("allreduce_moe_finalize_add_rmsnorm", &allreduce_moe_finalize_add_rmsnorm);
+  m.impl("allreduce_moe_finalize_add_rmsnorm_fp8", &allreduce_moe_finalize_add_rmsnorm_fp8);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -678,6 +794,8 @@ TORCH_LIBRARY_IMPL(tpfuse, CUDA, m) {
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm_);
   m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8);
   m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8_);
+  m.impl("allreduce_moe_finalize_add_rmsnorm", &allreduce_moe_finalize_add_rmsnorm);
+  m.impl("allreduce_moe_finalize_add_rmsnorm_fp8", &allreduce_moe_finalize_add_rmsnorm_fp8);
   m.impl("allreduce", &allreduce);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm);
 }
@@ -689,6 +807,8 @@ TORCH_LIBRARY_IMPL(tpfuse, Meta, m) {
   m.impl("allreduce_add_rmsnorm_", &allreduce_add_rmsnorm__meta);
   m.impl("allreduce_add_rmsnorm_fp8", &allreduce_add_rmsnorm_fp8_meta);
   m.impl("allreduce_add_rmsnorm_fp8_", &allreduce_add_rmsnorm_fp8__meta);
+  m.impl("allreduce_moe_finalize_add_rmsnorm", &allreduce_moe_finalize_add_rmsnorm_meta);
+  m.impl("allreduce_moe_finalize_add_rmsnorm_fp8", &allreduce_moe_finalize_add_rmsnorm_fp8_meta);
   m.impl("allreduce", &allreduce_meta);
   m.impl("allreduce_qk_rmsnorm", &allreduce_qk_rmsnorm_meta);
 }

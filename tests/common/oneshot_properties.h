@@ -37,12 +37,18 @@ struct CaseSpec {
   QuantMode quant = QuantMode::kNone;  // an FP8 output of the norm too
   float static_scale = 0.01f;          // QuantMode::kStatic's scale
   bool scales_column_major = false;    // QuantMode::kPerTokenGroup128's layout
+  int moe_topk = 0;                    // > 0: the MoE finalize (CaseData::moe_*) in place of input
+  bool moe_shared = false;             // with a shared expert's rows
+  bool moe_weights_in_dtype = false;   // routing weights in dtype (else fp32)
 };
 
 struct CaseData {
-  std::vector<HostTensor> inputs;     // per rank
+  std::vector<HostTensor> inputs;     // per rank (the MoE finalize: each rank's contribution)
   std::vector<HostTensor> residuals;  // per rank (identical on every rank, as in TP)
   HostTensor gamma;
+  // The MoE finalize, per rank: expert rows [tokens, topk, hidden], weights [tokens, topk],
+  // the shared expert's rows [tokens, hidden].
+  std::vector<HostTensor> moe_rows, moe_weights, moe_shared;
 };
 
 struct CaseResult {
@@ -61,6 +67,10 @@ inline std::string describe(const CaseSpec& spec) {
       << (spec.quant != QuantMode::kNone ? std::string(" quant=") + quant_mode_name(spec.quant)
                                          : "")
       << (spec.residual_in_place ? " residual_in_place" : "");
+  if (spec.moe_topk > 0) {
+    out << " moe_topk=" << spec.moe_topk << (spec.moe_shared ? " shared" : "")
+        << (spec.moe_weights_in_dtype ? " weights_in_dtype" : " weights_fp32");
+  }
   if (spec.norm_weight != NormWeight::kGamma) out << " " << norm_weight_name(spec.norm_weight);
   if (spec.algorithm != Algorithm::kAuto) out << " " << algorithm_name(spec.algorithm);
   return out.str();
@@ -95,8 +105,18 @@ class OneShotRunner {
       const size_t bytes = size_t(spec.tokens * spec.hidden) * dtype_size(spec.dtype);
       const HostTensor poison = poisoned(spec.dtype, size_t(spec.tokens * spec.hidden));
       for (int r = 0; r < world; ++r) {
-        Buffers& b = buffers[c][r] = buffers_for(int(c), r, bytes, spec.hidden);
-        harness_.upload(r, b.input, data[c].inputs[r].data(), bytes);
+        Buffers& b = buffers[c][r] = buffers_for(int(c), r, bytes, spec.hidden, spec.moe_topk);
+        if (spec.moe_topk > 0) {
+          harness_.upload(r, b.moe_rows, data[c].moe_rows[r].data(), bytes * spec.moe_topk);
+          harness_.upload(r, b.moe_weights, data[c].moe_weights[r].data(),
+                          data[c].moe_weights[r].bytes.size());
+          if (spec.moe_shared)
+            harness_.upload(r, b.moe_shared, data[c].moe_shared[r].data(), bytes);
+          // The input buffer (norm_out in place) starts poisoned: the call must not read it.
+          harness_.upload(r, b.input, poison.data(), bytes);
+        } else {
+          harness_.upload(r, b.input, data[c].inputs[r].data(), bytes);
+        }
         if (spec.residual) harness_.upload(r, b.residual, data[c].residuals[r].data(), bytes);
         harness_.upload(r, b.gamma, data[c].gamma.data(), data[c].gamma.bytes.size());
         if (!spec.norm_in_place) harness_.upload(r, b.norm_out, poison.data(), bytes);
@@ -188,13 +208,28 @@ class OneShotRunner {
     void* quant_out = nullptr;  // bytes / 2 of them: E4M3 of a 16-bit (or wider) element each
     void* scales = nullptr;     // fp32 scales: at most one per 8 elements
     void* scale = nullptr;      // the static scale
+    void* moe_rows = nullptr;   // MoE finalize: topk rows a token
+    void* moe_weights = nullptr;
+    void* moe_shared = nullptr;
     size_t bytes = 0;
     size_t gamma_bytes = 0;
+    size_t moe_bytes = 0;
+    size_t moe_shared_bytes = 0;
   };
 
-  Buffers buffers_for(int set, int rank, size_t bytes, int64_t hidden) {
+  Buffers buffers_for(int set, int rank, size_t bytes, int64_t hidden, int topk) {
     if (pool_.empty()) pool_.assign(sets_, std::vector<Buffers>(harness_.world_size()));
     Buffers& b = pool_[set][rank];
+    if (topk > 0 && b.moe_bytes < bytes * size_t(topk)) {
+      b.moe_bytes = std::max(bytes * size_t(topk), b.moe_bytes * 2);
+      b.moe_rows = harness_.allocate(rank, b.moe_bytes);
+      // Weights: tokens * topk of at most 4 bytes, fewer than the rows' bytes / 2 (hidden >= 8).
+      b.moe_weights = harness_.allocate(rank, b.moe_bytes / 2 + 16);
+    }
+    if (topk > 0 && b.moe_shared_bytes < bytes) {
+      b.moe_shared_bytes = std::max(bytes, b.moe_shared_bytes * 2);
+      b.moe_shared = harness_.allocate(rank, b.moe_shared_bytes);
+    }
     const size_t gamma_bytes = size_t(hidden) * 4;
     if (b.bytes < bytes || b.gamma_bytes < gamma_bytes) {
       b.bytes = std::max(bytes, b.bytes * 2);
@@ -220,7 +255,14 @@ class OneShotRunner {
                        spec.tokens * spec.hidden, spec.dtype, stream, algorithm);
     }
     AddRmsNormArgs args;
-    args.input = b.input;
+    args.input = spec.moe_topk > 0 ? nullptr : b.input;
+    if (spec.moe_topk > 0) {
+      args.moe_expert_rows = b.moe_rows;
+      args.moe_weights = b.moe_weights;
+      args.moe_shared = spec.moe_shared ? b.moe_shared : nullptr;
+      args.moe_topk = spec.moe_topk;
+      args.moe_weights_in_dtype = spec.moe_weights_in_dtype;
+    }
     args.residual = spec.residual ? b.residual : nullptr;
     args.gamma = b.gamma;
     args.norm_out = spec.norm_in_place ? b.input : b.norm_out;
@@ -731,6 +773,111 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
       }
     }
     expect_correct(spec, data, runner.run(spec, data));
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// Each rank's MoE contribution computed here as the interface defines it (independently of the
+// library's code): fp32 products w * x summed in expert order, the shared row added last,
+// rounded once to the dtype, into data.inputs.
+inline void moe_contributions(const CaseSpec& spec, CaseData& data) {
+  const size_t k = size_t(spec.moe_topk);
+  const size_t hidden = size_t(spec.hidden);
+  for (size_t r = 0; r < data.inputs.size(); ++r) {
+    for (size_t t = 0; t < size_t(spec.tokens); ++t) {
+      for (size_t h = 0; h < hidden; ++h) {
+        float acc = 0.0f;
+        for (size_t j = 0; j < k; ++j) {
+          const float w = float(data.moe_weights[r].get(t * k + j));
+          const float x = float(data.moe_rows[r].get((t * k + j) * hidden + h));
+          const float product = w * x;
+          acc = j == 0 ? product : acc + product;
+        }
+        if (spec.moe_shared) acc = acc + float(data.moe_shared[r].get(t * hidden + h));
+        data.inputs[r].set(t * hidden + h, acc);
+      }
+    }
+  }
+}
+
+// The MoE finalize's inputs for a case (weights in [0, 1)), with the contributions
+// (moe_contributions) as data.inputs: expect_correct checks the call against the float64
+// reference of their sum, and the call with them as its input must give the same bits.
+inline CaseData moe_case(std::mt19937_64& rng, const CaseSpec& spec, int world_size) {
+  CaseData data = random_case(rng, spec, world_size);
+  const size_t count = size_t(spec.tokens * spec.hidden);
+  const size_t k = size_t(spec.moe_topk);
+  const DType weight_type = spec.moe_weights_in_dtype ? spec.dtype : DType::kFloat32;
+  std::uniform_real_distribution<double> weight(0.0, 1.0);
+  for (int r = 0; r < world_size; ++r) {
+    data.moe_rows.push_back(random_tensor(rng, spec.dtype, count * k));
+    HostTensor weights(weight_type, size_t(spec.tokens) * k);
+    for (size_t i = 0; i < weights.count(); ++i) weights.set(i, weight(rng));
+    data.moe_weights.push_back(std::move(weights));
+    data.moe_shared.push_back(random_tensor(rng, spec.dtype, count));
+  }
+  moe_contributions(spec, data);
+  return data;
+}
+
+// Whether two results are the same bits in every output.
+inline void expect_same_bits(const CaseSpec& spec, const CaseResult& a, const CaseResult& b,
+                             const char* what) {
+  for (size_t r = 0; r < a.norm_out.size(); ++r) {
+    EXPECT_TRUE(a.norm_out[r].bytes == b.norm_out[r].bytes)
+        << describe(spec) << ": norm_out of rank " << r << " differs from " << what;
+    EXPECT_TRUE(a.residual_out[r].bytes == b.residual_out[r].bytes)
+        << describe(spec) << ": residual_out of rank " << r << " differs from " << what;
+  }
+  EXPECT_TRUE(a.quant_out == b.quant_out) << describe(spec) << ": quant_out differs from " << what;
+  EXPECT_TRUE(a.scales == b.scales) << describe(spec) << ": the scales differ from " << what;
+}
+
+// The MoE finalize: random top-k (1 to kMaxMoeTopK), shared expert or not, weights in fp32 or
+// the dtype, every dtype, widths, tokens not a multiple of 4, an FP8 output or not, outputs in
+// place or not. Every check of expect_correct against the float64 reference of the
+// contributions (moe_case), identical bits on every rank, and the same bits as the call given
+// those contributions as input. Every fourth case is adversarial: token 0's expert rows
+// alternate +0 and -0 (in 16 bits each word of its contribution is then the protocol's
+// sentinel) and the last element of the last token's last expert row is Inf.
+inline void check_moe_finalize(Harness& harness, uint64_t seed, int cases) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  const int topks[] = {1, 2, 3, 6, 8, kMaxMoeTopK};
+  const int64_t widths[] = {8, 136, 384, 1152, 3072};
+  const QuantMode modes[] = {QuantMode::kNone, QuantMode::kNone, QuantMode::kStatic,
+                             QuantMode::kPerToken, QuantMode::kPerTokenGroup128};
+  for (int c = 0; c < cases; ++c) {
+    CaseSpec spec;
+    spec.dtype = kDTypes[rng() % kDTypes.size()];
+    spec.hidden = widths[rng() % std::size(widths)];
+    spec.tokens = 1 + int64_t(rng() % 11);
+    spec.moe_topk = topks[rng() % std::size(topks)];
+    spec.moe_shared = rng() % 2 == 0;
+    spec.moe_weights_in_dtype = rng() % 3 == 0;
+    spec.norm_in_place = rng() % 4 == 0;
+    spec.residual_in_place = rng() % 4 == 0;
+    spec.quant =
+        spec.hidden % kQuantGroupSize == 0 ? modes[rng() % std::size(modes)] : QuantMode::kNone;
+    spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
+    CaseData data = moe_case(rng, spec, harness.world_size());
+    if (c % 4 == 3) {
+      for (HostTensor& rows : data.moe_rows) {
+        for (size_t i = 0; i < size_t(spec.moe_topk * spec.hidden); ++i) {
+          rows.set(i, i % 2 ? -0.0 : 0.0);
+        }
+        rows.set(rows.count() - 1, INFINITY);
+      }
+      moe_contributions(spec, data);
+    }
+    const CaseResult moe = runner.run(spec, data);
+    expect_correct(spec, data, moe);
+    CaseSpec plain = spec;
+    plain.moe_topk = 0;
+    plain.moe_shared = false;
+    plain.moe_weights_in_dtype = false;
+    expect_same_bits(spec, moe, runner.run(plain, data),
+                     "the call with its contributions as input");
     if (::testing::Test::HasFailure()) return;
   }
 }

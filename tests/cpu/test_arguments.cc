@@ -219,6 +219,63 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
       << peer_error;
 }
 
+TEST_F(Arguments, MoeFinalizeArgumentsAreChecked) {
+  // Two tokens of 64 bf16, top-2: the expert rows, the weights, a shared row.
+  alignas(16) static uint16_t rows[2 * 2 * 64 + 8];
+  alignas(16) static float weights[2 * 2 + 4];
+  alignas(16) static uint16_t shared[2 * 64 + 8];
+  const auto moe = [](AddRmsNormArgs& a) {
+    a.input = nullptr;
+    a.moe_expert_rows = rows;
+    a.moe_weights = weights;
+    a.moe_shared = shared;
+    a.moe_topk = 2;
+  };
+  const auto then = [&](auto second) {
+    return [=](AddRmsNormArgs& a) {
+      moe(a);
+      second(a);
+    };
+  };
+  expect_rejected([](auto& a) { a.moe_weights = weights; },
+                  "moe_weights or moe_shared given but moe_expert_rows is null");
+  expect_rejected([](auto& a) { a.moe_topk = 2; },
+                  "moe_topk or moe_weights_in_dtype set but moe_expert_rows is null");
+  expect_rejected(then([this](auto& a) { a.input = buffers_.input; }),
+                  "input must be null with moe_expert_rows");
+  expect_rejected(then([](auto& a) { a.moe_topk = 0; }), "moe_topk must be in [1, 16], got 0");
+  expect_rejected(then([](auto& a) { a.moe_topk = 17; }), "moe_topk must be in [1, 16], got 17");
+  expect_rejected(then([](auto& a) { a.moe_weights = nullptr; }), "moe_weights is null");
+  expect_rejected(then([](auto& a) { a.residual = nullptr; }), "the MoE finalize needs a residual");
+  expect_rejected(then([](auto& a) { a.norm_weight = NormWeight::kOnePlusGamma; }),
+                  "the MoE finalize is built for norm_weight gamma");
+  expect_rejected(then([](auto& a) { a.moe_expert_rows = rows + 1; }),
+                  "moe_expert_rows must be 16-byte aligned");
+  expect_rejected(then([](auto& a) { a.moe_shared = shared + 4; }),
+                  "moe_shared must be 16-byte aligned");
+  expect_rejected(then([](auto& a) { a.moe_weights = reinterpret_cast<const char*>(weights) + 2; }),
+                  "moe_weights must be 4-byte aligned");
+  expect_rejected(then([this](auto& a) {
+                    a.moe_expert_rows = buffers_.norm_out;  // [2, 2, 64] over norm_out's rows
+                  }),
+                  "norm_out overlaps moe_expert_rows");
+  expect_rejected(then([this](auto& a) { a.moe_shared = buffers_.residual_out; }),
+                  "residual_out overlaps moe_shared");
+  // A good MoE call on rank 0 against a peer's plain call: both are told, naming the input.
+  AddRmsNormArgs args = args_;
+  moe(args);
+  std::string peer_error = against_good_peer([&] {
+    expect_error_naming(
+        [&] {
+          allreduce_add_rmsnorm(team_[0], args);
+          team_[0].check();
+        },
+        "the input: a MoE combine here, input on rank 1");
+  });
+  EXPECT_NE(peer_error.find("the input: input here, a MoE combine on rank 0"), std::string::npos)
+      << peer_error;
+}
+
 TEST_F(Arguments, EmptyBatchesTakeTheirTurnAndMustAgree) {
   AddRmsNormArgs args = args_;
   args.tokens = 0;

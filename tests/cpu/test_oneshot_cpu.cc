@@ -44,6 +44,10 @@ TEST_P(CpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
   check_fp8_outputs(harness_, seed(3700), 9);
 }
 
+TEST_P(CpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
+  check_moe_finalize(harness_, seed(3800), 6);
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                                             ::testing::Values(Algorithm::kOneShot,

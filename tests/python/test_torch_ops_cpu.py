@@ -307,6 +307,95 @@ class Fp8Outputs(unittest.TestCase):
         team.close()
 
 
+class MoeFinalize(unittest.TestCase):
+    """The MoE finalize fused in, from torch: the same bits as the plain op given each rank's
+    combine computed by torch (fp32 products in expert order, then the shared row, rounded once),
+    close to float64, identical on every rank, with and without FP8 output."""
+
+    @staticmethod
+    def torch_combine(rows, weights, shared):
+        products = rows.float() * weights.float().unsqueeze(-1)
+        acc = products[:, 0]
+        for j in range(1, rows.shape[1]):
+            acc = acc + products[:, j]
+        if shared is not None:
+            acc = acc + shared.float()
+        return acc.to(rows.dtype)
+
+    def test_every_algorithm_equals_the_plain_op_on_torch_s_combine(self):
+        generator = torch.Generator().manual_seed(11)
+        teams = tpfuse.cpu_team(2)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for topk, with_shared, weights_dtype in ((1, False, torch.float32), (8, True, dtype),
+                                                     (3, True, torch.float32)):
+                for algorithm in ("auto", "oneshot", "twoshot", "nccl"):
+                    tokens, hidden = 5, 256
+                    rows = [torch.randn(tokens, topk, hidden, generator=generator).to(dtype)
+                            for _ in range(2)]
+                    weights = [torch.rand(tokens, topk, generator=generator).to(weights_dtype)
+                               for _ in range(2)]
+                    shared = [torch.randn(tokens, hidden, generator=generator).to(dtype)
+                              if with_shared else None for _ in range(2)]
+                    residual = torch.randn(tokens, hidden, generator=generator).to(dtype)
+                    weight = (1 + 0.2 * torch.randn(hidden, generator=generator)).to(dtype)
+                    combined = [self.torch_combine(rows[r], weights[r], shared[r])
+                                for r in range(2)]
+                    fused = on_every_rank(teams, lambda r, t: tpfuse.allreduce_moe_finalize_add_rmsnorm(
+                        t, rows[r], weights[r], residual, weight, 1e-6, shared[r],
+                        algorithm=algorithm))
+                    plain = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm(
+                        t, combined[r], residual, weight, 1e-6, algorithm))
+                    fp8 = on_every_rank(teams, lambda r, t: tpfuse.allreduce_moe_finalize_add_rmsnorm(
+                        t, rows[r], weights[r], residual, weight, 1e-6, shared[r],
+                        quant="per_token_group_128", algorithm=algorithm))
+                    plain_fp8 = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+                        t, combined[r], residual, weight, 1e-6, "per_token_group_128",
+                        algorithm=algorithm))
+                    where = f"{dtype} topk={topk} shared={with_shared} {weights_dtype} {algorithm}"
+                    expected_norm, _ = reference_add_rmsnorm(combined, residual, weight, 1e-6)
+                    for rank in range(2):
+                        for got, want in zip(fused[rank], plain[rank]):
+                            self.assertTrue(torch.equal(got, want), where)
+                        for got, want in zip(fp8[rank], plain_fp8[rank]):
+                            self.assertTrue(torch.equal(got.view(torch.uint8) if got.dtype ==
+                                                        torch.float8_e4m3fn else got,
+                                                        want.view(torch.uint8) if want.dtype ==
+                                                        torch.float8_e4m3fn else want), where)
+                        self.assertTrue(torch.equal(fused[rank][0], fused[0][0]), where)
+                        torch.testing.assert_close(fused[rank][0].double(), expected_norm,
+                                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        for team in teams:
+            team.close()
+
+    def test_bad_arguments_are_named(self):
+        (team,) = tpfuse.cpu_team(1)
+        rows = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+        weights = torch.rand(2, 3)
+        residual = torch.randn(2, 64, dtype=torch.bfloat16)
+        weight = torch.ones(64, dtype=torch.bfloat16)
+        op = tpfuse.allreduce_moe_finalize_add_rmsnorm
+        cases = [
+            (lambda: op(team, rows[:, :, :32].contiguous(), weights, residual, weight, 1e-6),
+             "expert_rows must be \\[tokens = 2, topk, hidden = 64\\]"),
+            (lambda: op(team, rows.float(), weights, residual, weight, 1e-6),
+             "expert_rows must have dtype BFloat16"),
+            (lambda: op(team, rows, weights.double(), residual, weight, 1e-6),
+             "routing_weights must be float32 or BFloat16"),
+            (lambda: op(team, rows, weights[:, :2].contiguous(), residual, weight, 1e-6),
+             "routing_weights must be \\[tokens, topk\\] = \\[2, 3\\]"),
+            (lambda: op(team, rows, weights, residual, weight, 1e-6, residual[:1]),
+             "shared_expert must be \\[2, 64\\]"),
+            (lambda: op(team, torch.randn(2, 17, 64, dtype=torch.bfloat16), torch.rand(2, 17),
+                        residual, weight, 1e-6), "moe_topk must be in \\[1, 16\\], got 17"),
+            (lambda: op(team, rows, weights, residual, weight, 1e-6, quant="static"),
+             "quant 1 \\(static scale\\) needs scale"),
+        ]
+        for call, message in cases:
+            with self.assertRaisesRegex(RuntimeError, message):
+                call()
+        team.close()
+
+
 class RanksThatGoWrong(unittest.TestCase):
     """A rank that rejects its call (in torch's checks, tpfuse's, or Python's) still takes its
     turn: its peers' call ends at once with an error naming it, and the team goes on. Ranks that
@@ -568,6 +657,16 @@ class Compile(unittest.TestCase):
             torch.library.opcheck(
                 torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_.default,
                 (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale, columns),
+            )
+        rows, weights = torch.randn(3, 2, 256, dtype=torch.bfloat16), torch.rand(3, 2)
+        for shared in (None, x128):
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm.default,
+                (self.team.handle, rows, weights, x128, w128, 1e-6, shared),
+            )
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default,
+                (self.team.handle, rows, weights, x128, w128, 1e-6, 3, None, False, shared),
             )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(

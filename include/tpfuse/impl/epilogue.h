@@ -121,15 +121,65 @@ TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, float sca
   return out;
 }
 
+// MoE finalize (AddRmsNormArgs::moe_*): a rank's contribution to the sum is its top-k expert
+// rows combined, sum_j w_j * x_j in fp32 in j order, plus a shared expert's row, rounded once.
+// On the GPU each product and each add is rounded on its own (no fused multiply-add), as on the
+// host, so the combine has the same bits on both.
+TPF_HOST_DEVICE float moe_product(float w, float x) {
+#if TPF_ON_DEVICE
+  return __fmul_rn(w, x);
+#else
+  return w * x;
+#endif
+}
+
+TPF_HOST_DEVICE float moe_add(float a, float b) {
+#if TPF_ON_DEVICE
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// acc (+)= w * row, per lane: the first expert's product starts the sum.
+template <typename T>
+TPF_HOST_DEVICE void moe_accumulate(float (&acc)[Packed<T>::kElements], const Vec16& row, float w,
+                                    bool first) {
+  float lanes[Packed<T>::kElements];
+  unpack<T>(row, lanes);
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) {
+    const float product = moe_product(w, lanes[i]);
+    acc[i] = first ? product : moe_add(acc[i], product);
+  }
+}
+
+// acc += the shared expert's row, per lane.
+template <typename T>
+TPF_HOST_DEVICE void moe_add_shared(float (&acc)[Packed<T>::kElements], const Vec16& shared) {
+  float lanes[Packed<T>::kElements];
+  unpack<T>(shared, lanes);
+  TPF_UNROLL
+  for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] = moe_add(acc[i], lanes[i]);
+}
+
+// Routing weight `index` of [tokens, topk]: fp32, or T (in_dtype).
+template <typename T>
+TPF_HOST_DEVICE float moe_weight(const void* weights, bool in_dtype, int64_t index) {
+  return in_dtype ? to_float(static_cast<const T*>(weights)[index])
+                  : static_cast<const float*>(weights)[index];
+}
+
 // What a row epilogue does, as values: the key a call's arguments give and the traits match.
 struct RowEpilogueKind {
   bool residual;       // the sum plus a residual (else the sum alone)
   bool norm;           // an RMSNorm of that (else the rounded sum is the output)
   NormWeight weight;   // the norm's weight
   bool quant = false;  // an FP8 output of the norm too (its mode is the call's: RowCall::quant)
+  bool moe = false;    // a rank's contribution is its MoE combine (RowCall::moe_*), not input
   constexpr bool operator==(const RowEpilogueKind& other) const {
     return residual == other.residual && norm == other.norm && weight == other.weight &&
-           quant == other.quant;
+           quant == other.quant && moe == other.moe;
   }
 };
 
@@ -139,16 +189,22 @@ struct RowEpilogueKind {
 //   normalize:  the norm of the rounded values with the row's scale (kHasNorm only).
 //   quantize:   (kHasQuant) the FP8 bytes of the normalized vector (quantize_vector), at the
 //               call's static scale or the token's / group's dynamic one.
-template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma, bool kQuant = false>
+// kMoe: what a rank contributes is its MoE combine (moe_accumulate, moe_add_shared, rounded
+// once to T), read where other epilogues read input.
+template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma, bool kQuant = false,
+          bool kMoe = false>
 struct RowEpilogue {
-  static_assert(kNorm || (!kResidual && kWeight == NormWeight::kGamma && !kQuant),
+  static_assert(kNorm || (!kResidual && kWeight == NormWeight::kGamma && !kQuant && !kMoe),
                 "no norm: a plain sum");
   static constexpr bool kHasResidual = kResidual;
   static constexpr bool kHasNorm = kNorm;
   static constexpr bool kHasQuant = kQuant;
-  static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant};
+  static constexpr bool kHasMoe = kMoe;
+  static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant, kMoe};
   // How a row that arrives already rounded (the two-shot all-gather) is finished.
   using Gathered = RowEpilogue<false, kNorm, kWeight, kQuant>;
+  // The same epilogue on a contribution already in memory (the NCCL path's sum).
+  using WithoutMoe = RowEpilogue<kResidual, kNorm, kWeight, kQuant>;
 
   template <typename T>
   TPF_HOST_DEVICE static Vec16 round_sum(float (&acc)[Packed<T>::kElements], const Vec16& residual,
@@ -179,7 +235,9 @@ using RowEpilogues = EpilogueList<SumEpilogue, RowEpilogue<false, true>, RowEpil
                                   RowEpilogue<false, true, NormWeight::kGamma, true>,
                                   RowEpilogue<true, true, NormWeight::kGamma, true>,
                                   RowEpilogue<false, true, NormWeight::kOnePlusGamma, true>,
-                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>>;
+                                  RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>,
+                                  RowEpilogue<true, true, NormWeight::kGamma, false, true>,
+                                  RowEpilogue<true, true, NormWeight::kGamma, true, true>>;
 
 // Calls fn(Epilogue{}) with the listed epilogue whose kind is `kind`; false if none is.
 template <typename Fn, typename... Epilogues>

@@ -49,11 +49,12 @@ enum class CallOp : uint32_t {
 
 // A call's signature, as its header carries it. No word is ever the sentinel (each < 2^31):
 //   word[0]: op | dtype << 4 | residual << 8 | norm << 9 | norm weight << 10 | rope << 12
-//            (the QK norm) or the FP8 output's QuantMode << 12 (rows)
+//            (the QK norm) or the FP8 output's QuantMode << 12 | MoE finalize << 16 (rows)
 //   word[1]: tokens
 //   word[2]: width (hidden for rows, q_global_size for the QK norm)
 //   word[3]: a 31-bit hash of the words above and of what else the ranks must agree on (eps;
-//            for the QK norm k_global_size, head_dim, rotary_dim, kv_replicas)
+//            for rows the MoE top-k; for the QK norm k_global_size, head_dim, rotary_dim,
+//            kv_replicas)
 // A receiver's cheap check compares word[3] alone; on a difference the whole header names the
 // field.
 struct CallSignature {
