@@ -92,7 +92,15 @@ struct DeviceBufferSet {
   void* norm_out = nullptr;
   void* quant_out = nullptr;  // the FP8 output and its scales
   float* scales = nullptr;
+  void* moe_rows = nullptr;      // the MoE finalize: [tokens, kBenchMoeTopK, hidden] rows,
+  float* moe_weights = nullptr;  // [tokens, kBenchMoeTopK] fp32 routing weights,
+  void* moe_combined = nullptr;  // and the baseline's combine output [tokens, hidden]
 };
+
+// The MoE finalize measured: MiniMax-M2's top-8 (no shared expert), fp32 routing weights, at most
+// kBenchMoeMaxTokens tokens (the decode range; the rows take top-k times the activation).
+constexpr int kBenchMoeTopK = 8;
+constexpr int64_t kBenchMoeMaxTokens = 256;
 
 // The GPU mode also records whether the library launches with PDL.
 struct GpuPlan : BenchPlan {
@@ -234,6 +242,17 @@ class GpuRank {
       set.scales = static_cast<float*>(allocate(fp8_scales_bytes(plan.buffer_bytes)));
       TPF_CHECK_CUDA(cudaMemsetAsync(set.quant_out, 0, plan.buffer_bytes, stream_));
       TPF_CHECK_CUDA(cudaMemsetAsync(set.scales, 0, fp8_scales_bytes(plan.buffer_bytes), stream_));
+      const int64_t moe_tokens = std::min(plan.max_tokens, kBenchMoeMaxTokens);
+      const int64_t moe_elements = moe_tokens * plan.max_hidden;
+      set.moe_rows = allocate(size_t(moe_elements * kBenchMoeTopK) * dtype_size(plan.dtype));
+      set.moe_weights = static_cast<float*>(allocate(size_t(moe_tokens * kBenchMoeTopK) * 4));
+      set.moe_combined = allocate(size_t(moe_elements) * dtype_size(plan.dtype));
+      fill_random_device(set.moe_rows, moe_elements * kBenchMoeTopK, plan.dtype,
+                         set_seed + kSeedInput + 5, -1.0f, 1.0f, stream_);
+      fill_random_device(set.moe_weights, moe_tokens * kBenchMoeTopK, DType::kFloat32,
+                         set_seed + kSeedInput + 6, 0.0f, 0.25f, stream_);
+      fill_random_device(set.moe_combined, moe_elements, plan.dtype, set_seed + kSeedOutputs + 2,
+                         -1.0f, 1.0f, stream_);
     }
     static_scale_ = static_cast<float*>(allocate(sizeof(float)));
     TPF_CHECK_CUDA(cudaMemcpyAsync(static_scale_, &kBenchStaticScale, sizeof(float),
@@ -406,6 +425,67 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
         team.check();
         add(fp8_op_name(mode), "tpfuse_auto", hidden, tokens, world_size, us, true);
         records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
+
+        // As an unfused model gets it: the bf16 fused op, then a quantization kernel of its own.
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          allreduce_add_rmsnorm(team, fused_args(set, gpu.gamma(), hidden, tokens, dtype), stream);
+          quantize_fp8_device(set.norm_out, tokens, hidden, dtype, mode, gpu.static_scale(),
+                              set.quant_out, set.scales, stream);
+        });
+        team.check();
+        add(fp8_op_name(mode), "tpfuse_auto+quant", hidden, tokens, world_size, us, true);
+#if TPFUSE_BENCH_NCCL
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
+                                       impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.input = set.norm_out;
+          add_rmsnorm(Backend::kCuda, args, stream);
+          quantize_fp8_device(set.norm_out, tokens, hidden, dtype, mode, gpu.static_scale(),
+                              set.quant_out, set.scales, stream);
+        });
+        add(fp8_op_name(mode), "nccl_ar+local_add_rmsnorm+quant", hidden, tokens, world_size, us,
+            false);
+#endif
+      }
+
+      // The MoE finalize fused in (the selector's algorithm), against the combine as a kernel of
+      // its own before the fused op, and before NCCL + the local kernel.
+      if (tokens <= kBenchMoeMaxTokens) {
+        const char* moe_op = "allreduce_moe_finalize_add_rmsnorm";
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.input = nullptr;
+          args.moe_expert_rows = set.moe_rows;
+          args.moe_weights = set.moe_weights;
+          args.moe_topk = kBenchMoeTopK;
+          allreduce_add_rmsnorm(team, args, stream);
+        });
+        team.check();
+        note("moe", add(moe_op, "tpfuse_auto", hidden, tokens, world_size, us, true));
+        records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          moe_combine_device(set.moe_rows, set.moe_weights, kBenchMoeTopK, tokens, hidden, dtype,
+                             set.moe_combined, stream);
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.input = set.moe_combined;
+          allreduce_add_rmsnorm(team, args, stream);
+        });
+        team.check();
+        note("combine+tpfuse",
+             add(moe_op, "moe_combine+tpfuse_auto", hidden, tokens, world_size, us, true));
+#if TPFUSE_BENCH_NCCL
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          moe_combine_device(set.moe_rows, set.moe_weights, kBenchMoeTopK, tokens, hidden, dtype,
+                             set.moe_combined, stream);
+          TPF_CHECK_NCCL(ncclAllReduce(set.moe_combined, set.norm_out, size_t(count),
+                                       impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
+          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+          args.input = set.norm_out;
+          add_rmsnorm(Backend::kCuda, args, stream);
+        });
+        add(moe_op, "moe_combine+nccl_ar+local_add_rmsnorm", hidden, tokens, world_size, us, false);
+#endif
       }
 
 #if TPFUSE_BENCH_NCCL

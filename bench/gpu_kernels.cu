@@ -12,6 +12,7 @@
 #include "gpu_kernels.h"
 #include "random_values.h"
 #include "tpfuse/impl/dispatch.h"
+#include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/numeric.h"
 
 namespace tpfuse::bench {
@@ -165,7 +166,105 @@ struct DeviceAllocation {
   void* pointer = nullptr;
 };
 
+template <typename T>
+__global__ void moe_combine_kernel(const impl::Vec16* rows, const float* weights, int topk,
+                                   int64_t tokens, int64_t vectors, impl::Vec16* out) {
+  constexpr int kElements = impl::Packed<T>::kElements;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < tokens * vectors;
+       i += stride) {
+    const int64_t token = i / vectors, v = i % vectors;
+    float acc[kElements] = {};
+    for (int j = 0; j < topk; ++j) {
+      float lanes[kElements];
+      impl::unpack<T>(rows[(token * topk + j) * vectors + v], lanes);
+      const float w = weights[token * topk + j];
+#pragma unroll
+      for (int e = 0; e < kElements; ++e) acc[e] += w * lanes[e];
+    }
+    out[i] = impl::pack<T>(acc);
+  }
+}
+
+// A block per token, a 16-byte vector a thread at a time; groups of 128 are 16 (or 32) lanes.
+template <typename T>
+__global__ void quantize_fp8_kernel(const impl::Vec16* norm, int64_t vectors, QuantMode mode,
+                                    const float* static_scale, uint8_t* quant_out, float* scales,
+                                    int64_t groups) {
+  constexpr int kElements = impl::Packed<T>::kElements;
+  constexpr int kGroupLanes = int(kQuantGroupSize) / kElements;
+  const int64_t token = blockIdx.x;
+  const impl::Vec16* row = norm + token * vectors;
+  __shared__ float warp_max[32];
+  float scale = mode == QuantMode::kStatic ? *static_scale : 0.0f;
+  if (mode == QuantMode::kPerToken) {
+    float amax = 0.0f;
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      amax = fmaxf(amax, impl::vector_amax<T>(row[v]));
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    }
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < int(blockDim.x / 32); ++w) amax = fmaxf(amax, warp_max[w]);
+      warp_max[0] = amax;
+      scales[token] = impl::dynamic_scale(amax);
+    }
+    __syncthreads();
+    scale = impl::dynamic_scale(warp_max[0]);
+  }
+  // Every thread runs the same number of iterations, so the group shuffles see whole warps.
+  for (int64_t base = 0; base < vectors; base += blockDim.x) {
+    const int64_t v = base + threadIdx.x;
+    const bool mine = v < vectors;
+    const impl::Vec16 x = mine ? row[v] : impl::Vec16{};
+    float vector_scale = scale;
+    if (mode == QuantMode::kPerTokenGroup128) {
+      float amax = mine ? impl::vector_amax<T>(x) : 0.0f;
+      for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      vector_scale = impl::dynamic_scale(amax);
+      if (mine && v % kGroupLanes == 0) scales[token * groups + v / kGroupLanes] = vector_scale;
+    }
+    if (mine) {
+      const impl::QuantBytes<T> q = impl::quantize_vector<T>(x, vector_scale);
+      memcpy(quant_out + (token * vectors + v) * kElements, q.bytes, kElements);
+    }
+  }
+}
+
 }  // namespace
+
+void moe_combine_device(const void* rows, const float* weights, int topk, int64_t tokens,
+                        int64_t hidden, DType dtype, void* out, cudaStream_t stream) {
+  impl::dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    const int64_t vectors = hidden / impl::Packed<T>::kElements;
+    const int threads = 256;
+    const int blocks = int(std::min<int64_t>((tokens * vectors + threads - 1) / threads, 4096));
+    moe_combine_kernel<T><<<blocks, threads, 0, stream>>>(static_cast<const impl::Vec16*>(rows),
+                                                          weights, topk, tokens, vectors,
+                                                          static_cast<impl::Vec16*>(out));
+  });
+  TPF_CHECK_CUDA(cudaGetLastError());
+}
+
+void quantize_fp8_device(const void* norm, int64_t tokens, int64_t hidden, DType dtype,
+                         QuantMode mode, const float* static_scale, void* quant_out, float* scales,
+                         cudaStream_t stream) {
+  impl::dispatch_dtype(dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    const int64_t vectors = hidden / impl::Packed<T>::kElements;
+    const int threads = int(std::min<int64_t>(512, (vectors + 31) / 32 * 32));
+    quantize_fp8_kernel<T><<<int(tokens), threads, 0, stream>>>(
+        static_cast<const impl::Vec16*>(norm), vectors, mode, static_scale,
+        static_cast<uint8_t*>(quant_out), scales, hidden / kQuantGroupSize);
+  });
+  TPF_CHECK_CUDA(cudaGetLastError());
+}
 
 void fill_random_device(void* data, int64_t count, DType dtype, uint64_t seed, float low,
                         float high, cudaStream_t stream) {

@@ -42,6 +42,18 @@ enum class PeerTransfer { kStores, kCopyEngine };
 CopyFloor measure_peer_both_ways(int device_a, int device_b, size_t bytes, PeerTransfer transfer,
                                  int nodes, int replays);
 
+// The baselines' separate kernels, the unfused form of what tpfuse fuses (each a 16-byte vector
+// a thread, fp32 math, the library's conversions):
+// out [tokens, hidden] = sum_j weights[t, j] (fp32) * rows[t, j] (dtype), rounded once: the MoE
+// combine an engine runs before its all-reduce;
+void moe_combine_device(const void* rows, const float* weights, int topk, int64_t tokens,
+                        int64_t hidden, DType dtype, void* out, cudaStream_t stream);
+// quant_out (E4M3) and scales of `norm` [tokens, hidden] in `mode` (tpfuse.h's QuantMode, the
+// same definition), the quantization kernel that follows an unfused norm.
+void quantize_fp8_device(const void* norm, int64_t tokens, int64_t hidden, DType dtype,
+                         QuantMode mode, const float* static_scale, void* quant_out, float* scales,
+                         cudaStream_t stream);
+
 // Enables peer access from the current device to `peer`; already enabled is fine.
 void enable_peer_access(int device, int peer);
 

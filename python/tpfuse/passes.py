@@ -85,12 +85,13 @@ def op_arguments(node: torch.fx.Node) -> Dict[str, Any]:
 
 
 # --- dims: a traced pattern holds the spelling its own trace produced (mean(-1) gives [-1],
-# rms_norm gives [ndim - 1], x[..., :n] gives ndim - 1), and the graph may hold either; both sides
-# are brought to -1 before matching, and the graph's untouched nodes get theirs back afterwards.
+# rms_norm gives [ndim - 1], x[..., :n] gives ndim - 1, w[..., None] unsqueezes at ndim where
+# w.unsqueeze(-1) says -1), and the graph may hold either; both sides are brought to -1 before
+# matching, and the graph's untouched nodes get theirs back afterwards.
 
 _DIM_POSITION = {
     aten.mean.dim: 1, aten.cat.default: 1, aten.split.Tensor: 2,
-    aten.split_with_sizes.default: 2, aten.slice.Tensor: 1,
+    aten.split_with_sizes.default: 2, aten.slice.Tensor: 1, aten.unsqueeze.default: 1,
 }
 
 
@@ -107,9 +108,14 @@ def _last_dim_as_minus_one(graph: torch.fx.Graph) -> Dict[torch.fx.Node, tuple]:
             continue
         args = list(node.args)
         dim = args[position]
-        if isinstance(dim, (list, tuple)) and len(dim) == 1 and dim[0] == value.dim() - 1:
+        # unsqueeze's last position is one past its input's last dim.
+        last = value.dim() if node.target is aten.unsqueeze.default else value.dim() - 1
+        if node.target is aten.unsqueeze.default:
+            if isinstance(dim, int) and dim == last:
+                args[position] = -1
+        elif isinstance(dim, (list, tuple)) and len(dim) == 1 and dim[0] == last:
             args[position] = [-1]
-        elif isinstance(dim, int) and dim == value.dim() - 1:
+        elif isinstance(dim, int) and dim == last:
             args[position] = -1
         if node.target is aten.slice.Tensor and len(args) > 2 and args[2] is None:
             args[2] = 0
@@ -286,6 +292,74 @@ class AllReduceRMSNorm(FusedPattern):
 
     def check(self, match):
         return _norm_inputs_fit(match.kwargs, self.fusion)
+
+
+# --- The MoE combine before the all-reduce, folded into the fused op: this rank's top-k expert
+# rows [tokens, k, hidden] weighted by their routing weights [tokens, k] and summed over k.
+
+FUSED_MOE = torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm.default
+
+# The combine forms matched: (rows.float() * w[..., None]).sum(1).to(dtype) and the same with the
+# upcast left to type promotion (fp32 weights), or rows * w[..., None] summed in the rows' dtype
+# (weights in that dtype; the fused op's fp32 products and sum are then the more exact).
+MOE_COMBINE_FORMS = ("upcast", "promoted", "in_dtype")
+
+
+def _moe_combine(rows, weights, form: str):
+    if form == "upcast":
+        return (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+    if form == "promoted":
+        return (rows * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+    return (rows * weights.unsqueeze(-1)).sum(1)
+
+
+class MoeFinalizeAddRMSNorm(FusedPattern):
+    """all_reduce(combine(rows, weights)) + residual (either order), then the norm ->
+    tpfuse::allreduce_moe_finalize_add_rmsnorm (the MoE finalize needs the residual and the
+    plain weight)."""
+
+    stat = "allreduce_moe_finalize_add_rmsnorm"
+
+    def __init__(self, fusion, norm_form: str, residual_first: bool, combine: str):
+        super().__init__(fusion)
+        self.norm, _ = NORM_FORMS[norm_form]
+        self.residual_first = residual_first
+        self.combine = combine
+
+    def example_inputs(self):
+        weights = torch.bfloat16 if self.combine == "in_dtype" else torch.float32
+        return _fake_inputs(((5, 2, 16), torch.bfloat16), ((5, 2), weights),
+                            ((5, 16), torch.bfloat16), ((16,), torch.bfloat16))
+
+    def pattern(self, rows, weights, residual, weight, eps):
+        reduced = _all_reduce(_moe_combine(rows, weights, self.combine), self.fusion.group_name)
+        h = residual + reduced if self.residual_first else reduced + residual
+        return self.norm(h, weight, eps), h
+
+    def replacement(self, rows, weights, residual, weight, eps):
+        return FUSED_MOE(self.fusion.team, rows, weights, residual, weight, eps)
+
+    def check(self, match):
+        kwargs = match.kwargs
+        values = [kwargs[name].meta.get("val") for name in ("rows", "weights", "residual")]
+        if any(value is None for value in values):
+            return False
+        rows, weights, residual = values
+        if rows.dim() != 3 or rows.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if not isinstance(rows.shape[1], int) or not 1 <= rows.shape[1] <= 16:
+            return False
+        wanted = rows.dtype if self.combine == "in_dtype" else torch.float32
+        if weights.dtype != wanted or weights.dim() != 2 or residual.dim() != 2:
+            return False
+        if not (rows.is_contiguous() and weights.is_contiguous() and residual.is_contiguous()):
+            return False
+        if residual.dtype != rows.dtype or residual.shape[-1] != rows.shape[-1]:
+            return False
+        # The norm's inputs as the plain pattern checks them (the combine is the residual's
+        # shape and dtype).
+        fit = {"x": kwargs["residual"], "weight": kwargs["weight"], "residual": kwargs["residual"]}
+        return _norm_inputs_fit(fit, self.fusion)
 
 
 # --- MiniMax-M2's QK norm: per-rank mean squares of q and k, one all-reduce of both (cat'd),
@@ -690,11 +764,16 @@ class TpfusePass(CustomGraphPass):
         self.group_name = group.group_name
         self.stats: Dict[str, int] = {
             "allreduce_add_rmsnorm": 0, "allreduce_qk_rmsnorm": 0, "allreduce_qk_rmsnorm_rope": 0,
+            "allreduce_moe_finalize_add_rmsnorm": 0,
             **{stat: 0 for _, _, stat in NormQuantFp8.modes.values()},
         }
         self.graphs: List[Dict[str, Any]] = []
         norm_forms = list(NORM_FORMS)
+        # The MoE combine first: where it precedes the all-reduce, the plain patterns match too.
         self.patterns: List[FusedPattern] = [
+            *(MoeFinalizeAddRMSNorm(self, form, first, combine)
+              for form in ("weight_first", "weight_last", "functional")
+              for first in (False, True) for combine in MOE_COMBINE_FORMS),
             *(AllReduceAddRMSNorm(self, form, first, reshaped) for form in norm_forms
               for first in (False, True) for reshaped in (False, True)),
             *(AllReduceRMSNorm(self, form) for form in norm_forms),

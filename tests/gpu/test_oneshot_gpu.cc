@@ -107,6 +107,12 @@ TEST_P(GpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
   check_fp8_outputs(harness, 68 + int(GetParam()), 30);
 }
 
+TEST_P(GpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_moe_finalize(harness, 69 + int(GetParam()), 16);
+}
+
 TEST_P(GpuAlgorithms, AdversarialPayloads) {
   CudaHarness harness(gpus());
   harness.algorithm = GetParam();
@@ -324,6 +330,13 @@ TEST(GpuOneRankTeam, Fp8OutputsMatchTheirDefinition) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
   check_fp8_outputs(harness, 6300, 30);
+}
+
+// The local kernel's MoE combine (a one-rank team runs it).
+TEST(GpuOneRankTeam, MoeFinalizeMatchesItsDefinition) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  check_moe_finalize(harness, 6350, 16);
 }
 
 TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {

@@ -77,6 +77,14 @@ TEST_P(SharedDevice, Fp8OutputsMatchTheirDefinition) {
   }
 }
 
+// The MoE finalize, each fused algorithm forced: the kernels' combine gives the host's bits.
+TEST_P(SharedDevice, MoeFinalizeMatchesItsDefinition) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_moe_finalize(*harness_, seed(975) + uint64_t(algorithm), 12);
+  }
+}
+
 TEST_P(SharedDevice, QkNormMatchesFloat64Reference) {
   check_qk_random_cases(*harness_, seed(970), 40);
 }

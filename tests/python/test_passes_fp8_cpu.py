@@ -235,6 +235,102 @@ class PassesFp8(unittest.TestCase):
         self.check_left_alone(model, self.inputs(), norm_fused=0)
 
 
+class PassesMoe(PassesFp8):
+    """The MoE combine before the all-reduce, folded into allreduce_moe_finalize_add_rmsnorm."""
+
+    FUSED_MOE = "tpfuse.allreduce_moe_finalize_add_rmsnorm.default"
+
+    def moe_inputs(self, tokens=6, k=8, hidden=256, weights_dtype=torch.float32):
+        generator = torch.Generator().manual_seed(tokens * k + hidden)
+        rows = torch.randn(tokens, k, hidden, generator=generator).to(torch.bfloat16)
+        weights = torch.rand(tokens, k, generator=generator).to(weights_dtype)
+        residual = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(torch.bfloat16)
+        return [a.to(self.device) for a in (rows, weights, residual, weight)]
+
+    def check_moe_fused(self, sites=1):
+        self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], sites)
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 0)
+        before, after = self.ops("before"), self.ops("after")
+        self.assertEqual(before.count(ALL_REDUCE), sites)
+        self.assertIn("aten.sum.dim_IntList", before)
+        self.assertEqual(after.count(ALL_REDUCE), 0, after)
+        self.assertEqual(after.count(self.FUSED_MOE), sites, after)
+        self.assertEqual(after.count(FUSED), 0, after)
+        self.assertNotIn("aten.sum.dim_IntList", after)
+
+    def test_every_combine_form_and_norm_form(self):
+        combines = {
+            # The end-to-end model's form (bench/e2e/model.py).
+            "upcast": (lambda rows, w: (rows.float() * w.unsqueeze(-1)).sum(1).to(rows.dtype),
+                       torch.float32),
+            "promoted": (lambda rows, w: (rows * w[..., None]).sum(1).to(rows.dtype),
+                         torch.float32),
+            "in_dtype": (lambda rows, w: (rows * w[..., None]).sum(1), torch.bfloat16),
+        }
+        norms = {
+            "weight_first": lambda h, w: base.hand_written_rms_norm(h, w, 1e-6, True),
+            "weight_last": lambda h, w: base.hand_written_rms_norm(h, w, 1e-6, False),
+            "functional": lambda h, w: torch.nn.functional.rms_norm(h, (h.shape[-1],), w, 1e-6),
+        }
+        for combine_name, (combine, weights_dtype) in combines.items():
+            for norm_name, norm in norms.items():
+                for residual_first in (False, True):
+                    with self.subTest(combine=combine_name, norm=norm_name, first=residual_first):
+
+                        def model(rows, weights, residual, weight):
+                            reduced = funcol.all_reduce(combine(rows, weights), "sum",
+                                                        dist.group.WORLD)
+                            h = residual + reduced if residual_first else reduced + residual
+                            return norm(h, weight), h
+
+                        args = self.moe_inputs(weights_dtype=weights_dtype)
+                        got, expected = self.compile_and_run(model, args)
+                        self.check_moe_fused()
+                        # The op's bits: the plain fused op on torch's fp32 combine.
+                        rows, weights, residual, weight = args
+                        combined = (rows.float() * weights.float().unsqueeze(-1))
+                        acc = combined[:, 0]
+                        for j in range(1, combined.shape[1]):
+                            acc = acc + combined[:, j]
+                        want = tpfuse.allreduce_add_rmsnorm(self.team, acc.to(rows.dtype),
+                                                            residual, weight, 1e-6)
+                        self.assertTrue(torch.equal(got[0], want[0]))
+                        self.assertTrue(torch.equal(got[1], want[1]))
+                        # Close to the unfused model (which may sum k in another order, and in
+                        # bf16 for the in-dtype form).
+                        tolerance = 6e-2 if combine_name == "in_dtype" else 2e-2
+                        for g, e in zip(got, expected):
+                            torch.testing.assert_close(g.float(), e.float(), atol=tolerance,
+                                                       rtol=tolerance)
+
+    def test_combines_the_op_cannot_serve_are_left_to_the_plain_pattern(self):
+        def model(rows, weights, residual, weight):
+            # 17 experts: more than the op takes; the all-reduce + add + norm is still fused.
+            partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+            h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+            return base.hand_written_rms_norm(h, weight, 1e-6), h
+
+        got, expected = self.compile_and_run(model, self.moe_inputs(k=17))
+        self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 0)
+        self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 1)
+        self.assertEqual(self.ops("after").count(FUSED), 1)
+        base.Passes.check_close(self, got, expected)
+
+    # The FP8 tests above are PassesFp8's; not run twice.
+    test_every_mode_with_the_norm_used_elsewhere_too = None
+    test_every_mode_with_only_the_fp8_output_read = None
+    test_without_residual = None
+    test_quantizations_of_other_numerics_are_left_alone = None
+    test_a_functional_norm_then_quantized_stays_unfused = None
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
+class PassesMoeOnCuda(PassesMoe):
+    device = "cuda"
+    make_team = base.PassesOnCuda.make_team
+
+
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
 class PassesFp8OnCuda(PassesFp8):
     """Every test above on CUDA tensors: a one-rank CUDA team over the group's NCCL side."""
