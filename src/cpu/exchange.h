@@ -1,11 +1,17 @@
 // How a CPU rank thread stores, polls and takes part in a call session (tpfuse/impl/session.h):
 // the CPU backend's side of the protocol, shared by its row and QK-norm paths.
 //
-// Memory ordering: packet words are stored with release and polled with acquire (per 32-bit
-// word, as on the GPU, where only word stores are single-copy atomic). The release on every
-// store orders this rank's earlier clear of a slot before any peer's later store into it: a peer
-// stores into that slot only after it has seen (acquired) a packet this rank sent after the
-// clear.
+// Memory ordering: packet words are stored with release and polled with acquire, two 32-bit
+// protocol words at a time (one aligned 64-bit atomic: each word in it is still stored and read
+// whole, which is all the protocol asks; every access the CPU backend makes to a workspace has
+// this one size, so no two atomics of different sizes ever meet). The release on every store
+// orders this rank's earlier clear of a slot before any peer's later store into it: a peer stores
+// into that slot only after it has seen (acquired) a packet this rank sent after the clear.
+//
+// Rows move in bulk: a sender stores a whole row of packets from a plain buffer (store_packets),
+// a receiver copies a whole row into a plain buffer (poll_packets) and waits only on the vectors
+// that held a sentinel word when it looked; the arithmetic then runs on the plain copy, where the
+// compiler vectorizes it.
 #pragma once
 
 #include <chrono>
@@ -20,22 +26,23 @@
 
 namespace tpfuse::impl {
 
-inline void store_word(uint32_t* word, uint32_t value) {
-  __atomic_store_n(word, value, __ATOMIC_RELEASE);
-}
-inline uint32_t load_word(const uint32_t* word) {
-  return __atomic_load_n(word, __ATOMIC_ACQUIRE);
-}
+// Two protocol words, low word first (little-endian, as the 16-bit elements in a word).
+using PacketUnit = uint64_t;
 
 inline void store_vector(char* address, const Vec16& v) {
-  auto* words = reinterpret_cast<uint32_t*>(address);
-  for (int i = 0; i < 4; ++i) store_word(words + i, v.word[i]);
+  auto* units = reinterpret_cast<PacketUnit*>(address);
+  PacketUnit unit[2];
+  std::memcpy(unit, &v, 16);
+  __atomic_store_n(units, unit[0], __ATOMIC_RELEASE);
+  __atomic_store_n(units + 1, unit[1], __ATOMIC_RELEASE);
 }
 
 inline Vec16 load_vector(const char* address) {
-  const auto* words = reinterpret_cast<const uint32_t*>(address);
+  const auto* units = reinterpret_cast<const PacketUnit*>(address);
+  const PacketUnit unit[2] = {__atomic_load_n(units, __ATOMIC_ACQUIRE),
+                              __atomic_load_n(units + 1, __ATOMIC_ACQUIRE)};
   Vec16 v;
-  for (int i = 0; i < 4; ++i) v.word[i] = load_word(words + i);
+  std::memcpy(&v, unit, 16);
   return v;
 }
 
@@ -131,6 +138,57 @@ inline Vec16 poll_vector(const char* address, CpuCall& call, int sender) {
   }
 }
 
+// Stores `bytes` (a multiple of 16) of packets from the plain buffer `source`, sentinel words
+// already rewritten, at `address` in a receiver's slot: store_vector's stores, for a whole row.
+inline void store_packets(char* address, const void* source, size_t bytes) {
+  auto* units = reinterpret_cast<PacketUnit*>(address);
+  const auto* from = static_cast<const char*>(source);
+  for (size_t i = 0; i < bytes / sizeof(PacketUnit); ++i) {
+    PacketUnit unit;
+    std::memcpy(&unit, from + i * sizeof(PacketUnit), sizeof(unit));
+    __atomic_store_n(units + i, unit, __ATOMIC_RELEASE);
+  }
+}
+
+// Whether a 32-bit word of plain memory holds the sentinel (bits, never values; a loop without
+// an early exit, which the compiler vectorizes).
+inline bool holds_sentinel(const void* data, size_t bytes) {
+  const auto* from = static_cast<const char*>(data);
+  uint32_t found = 0;
+  for (size_t i = 0; i < bytes / 4; ++i) {
+    uint32_t word;
+    std::memcpy(&word, from + i * 4, 4);
+    found |= uint32_t(word == kSentinel);
+  }
+  return found != 0;
+}
+
+// Copies `bytes` (a multiple of 16) of sender `sender`'s packets at `address` into the plain
+// buffer `out`, each vector as poll_vector returns it: one look at the whole row (the common
+// case: it has all arrived), then poll_vector on each vector that held a sentinel word (a wait
+// that reads the sender's header, NaN for a rejected or disagreeing sender, the deadline).
+inline void poll_packets(const char* address, size_t bytes, CpuCall& call, int sender, void* out) {
+  auto* copy = static_cast<char*>(out);
+  if ((call.rejected | call.disagreeing) & (1u << sender)) {
+    const Vec16 nan = nan_vector();
+    for (size_t offset = 0; offset < bytes; offset += 16) std::memcpy(copy + offset, &nan, 16);
+    return;
+  }
+  const auto* units = reinterpret_cast<const PacketUnit*>(address);
+  for (size_t i = 0; i < bytes / sizeof(PacketUnit); ++i) {
+    const PacketUnit unit = __atomic_load_n(units + i, __ATOMIC_ACQUIRE);
+    std::memcpy(copy + i * sizeof(PacketUnit), &unit, sizeof(unit));
+  }
+  if (!holds_sentinel(out, bytes)) return;
+  for (size_t offset = 0; offset < bytes; offset += 16) {
+    Vec16 v;
+    std::memcpy(&v, copy + offset, 16);
+    if (has_arrived(v)) continue;
+    v = poll_vector(address + offset, call, sender);
+    std::memcpy(copy + offset, &v, 16);
+  }
+}
+
 // The end of a CPU call, after it has arrived: every peer's header is checked; a disagreement
 // throws (the team is failed), then a rejection (the team goes on).
 inline void finish_call(CpuCall& call) {
@@ -151,6 +209,7 @@ inline void finish_call(CpuCall& call) {
 // The session's Coop on the CPU: the rank's one thread is the only participant. The control
 // block is only ever touched by its own rank's thread; the atomics keep it well-defined anyway.
 struct ThreadCoop {
+  static constexpr bool kOneThread = true;
   static uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
   static uint64_t load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
   static void store(uint32_t* word, uint32_t value) {

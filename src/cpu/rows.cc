@@ -1,8 +1,20 @@
 // The CPU backend's row calls: one-shot, two-shot, the local epilogue and the NCCL path's
-// stand-in. Ranks are threads of one process over host memory; each call is a Lamport session
-// (tpfuse/impl/session.h) with the epilogues of tpfuse/impl/epilogue.h, the same steps and math
-// the CUDA kernels run, with one thread in place of a grid.
+// stand-in. Ranks are threads of one process or processes of one host; each call is a Lamport
+// session (tpfuse/impl/session.h) run by the rank's one thread, with the steps and the math the
+// CUDA kernels run: the rank-ordered fp32 sum, residual add, one rounding, canonical zeros and the
+// norm of tpfuse/impl/epilogue.h.
+//
+// Rows, not vectors: packets move a row at a time (store_packets, poll_packets in cpu/exchange.h)
+// and each step of the epilogue is a loop over a whole row, which the compiler vectorizes at the
+// baseline instruction set. Every element goes through the operations of epilogue.h's per-vector
+// steps, in their order (the sum from rank 0's value on, + residual, from_float, the sentinel's
+// word as +0, (x * scale) * weight), so vectorizing across elements changes no bit. The one
+// reduction, a row's sum of squares, stays what finish_row always was on the CPU: a sequential
+// fp32 sum from element 0 to hidden - 1, each square rounded before it is added. Up to
+// kGroupRows rows are finished together so that their sums, independent chains of adds, overlap.
+// tests/cpu/test_row_bits.cc holds the rows to epilogue.h's per-vector steps, bit for bit.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -16,34 +28,193 @@
 namespace tpfuse::impl {
 namespace {
 
-Vec16 load_plain(const void* base, int64_t vector_index) {
-  Vec16 v;
-  std::memcpy(&v, static_cast<const char*>(base) + vector_index * 16, 16);
-  return v;
+constexpr int kGroupRows = 8;
+
+// A row's 32-bit words, for the sentinel rewrite of rows written as T elements.
+using Word = uint32_t __attribute__((may_alias));
+
+// Raw, 64-byte aligned memory that grows to the largest request and is kept: a rank thread's rows
+// of T (any dtype: no declared type), without an allocation per call.
+class ScratchBytes {
+ public:
+  ScratchBytes() = default;
+  ScratchBytes(const ScratchBytes&) = delete;
+  ScratchBytes& operator=(const ScratchBytes&) = delete;
+  ~ScratchBytes() { std::free(data_); }
+  void* reserve(size_t bytes) {
+    if (bytes > size_) {
+      std::free(data_);
+      size_ = (bytes + 63) / 64 * 64;
+      data_ = std::aligned_alloc(64, size_);
+      if (data_ == nullptr)
+        TPF_FAIL("out of host memory for " << size_ << " bytes of scratch rows");
+    }
+    return data_;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Each rank thread's rows: the rank sum in fp32 (then the rounded values), one row of packets,
+// the rounded rows of a group and their squares, the norm's weight, one normalized row.
+struct RowScratch {
+  ScratchBytes sum, packets, rounded, squares, weight, normalized;
+};
+
+RowScratch& row_scratch() {
+  thread_local RowScratch scratch;
+  return scratch;
 }
 
-void store_plain(void* base, int64_t vector_index, const Vec16& v) {
-  std::memcpy(static_cast<char*>(base) + vector_index * 16, &v, 16);
+// A row as the loops see it: its 32-bit words (Word), each holding kLanes<T> elements (one fp32,
+// or two 16-bit elements, the low half first), and its fp32 values split by lane: lane j of word k
+// at [j * words + k]. Every loop then works on whole words, element-wise, and vectorizes without
+// shuffles.
+template <typename T>
+constexpr int kLanes = int(4 / sizeof(T));
+
+template <typename T>
+float lane_value(uint32_t word, int lane) {
+  if constexpr (kLanes<T> == 1) {
+    return bits_float(word);
+  } else {
+    return to_float(T{uint16_t(word >> (16 * lane))});
+  }
 }
 
 template <typename T>
-using Lanes = float[Packed<T>::kElements];
-
-template <typename T>
-Lanes<T>& lanes_at(std::vector<float>& acc, int64_t vector) {
-  return *reinterpret_cast<Lanes<T>*>(&acc[vector * Packed<T>::kElements]);
+uint32_t lane_bits(float x, int lane) {
+  if constexpr (kLanes<T> == 1) {
+    return float_bits(x);
+  } else {
+    return uint32_t(from_float<T>(x).bits) << (16 * lane);
+  }
 }
 
-// The FP8 output of one row from its normalized vectors (as stored in norm_out): the scale of
-// the call, of the token or of each group of kQuantGroupSize elements (epilogue.h's steps, the
-// same as the GPU's).
+// The per-element steps of epilogue.h over a row of `words` words.
+
+// accumulate_first, then accumulate: split = x, split += x.
 template <typename T>
-void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_t token) {
+void widen(const Word* __restrict x, int64_t words, float* __restrict split) {
+  for (int64_t k = 0; k < words; ++k) {
+    for (int j = 0; j < kLanes<T>; ++j) split[j * words + k] = lane_value<T>(x[k], j);
+  }
+}
+template <typename T>
+void add_widened(const Word* __restrict x, int64_t words, float* __restrict split) {
+  for (int64_t k = 0; k < words; ++k) {
+    for (int j = 0; j < kLanes<T>; ++j) split[j * words + k] += lane_value<T>(x[k], j);
+  }
+}
+
+// rewrite_sentinel, word by word.
+void copy_rewritten(const void* source, size_t bytes, void* out) {
+  const Word* __restrict from = static_cast<const Word*>(source);
+  Word* __restrict to = static_cast<Word*>(out);
+  for (size_t k = 0; k < bytes / 4; ++k) to[k] = from[k] == kSentinel ? 0u : from[k];
+}
+
+// round_output: one rounding to T, then canonical zeros.
+template <typename T>
+void round_row(const float* __restrict split, int64_t words, Word* __restrict out) {
+  for (int64_t k = 0; k < words; ++k) {
+    uint32_t word = 0;
+    for (int j = 0; j < kLanes<T>; ++j) word |= lane_bits<T>(split[j * words + k], j);
+    out[k] = word == kSentinel ? 0u : word;
+  }
+}
+
+// The squares residual_round adds to a row's sum: of the rounded values, as fp32.
+template <typename T>
+void square_row(const Word* __restrict rounded, int64_t words, float* __restrict squares) {
+  for (int64_t k = 0; k < words; ++k) {
+    for (int j = 0; j < kLanes<T>; ++j) {
+      const float x = lane_value<T>(rounded[k], j);
+      squares[j * words + k] = x * x;
+    }
+  }
+}
+
+// Each row's sum of its squares in element order, element 0 first (kRows rows of split squares,
+// `stride` floats apart): the rows' sums run side by side, each a chain of its own.
+template <int kRows, int kRowLanes>
+void sum_rows(const float* squares, int64_t stride, int64_t words, float* sums) {
+  float sum[kRows];
+  for (int r = 0; r < kRows; ++r) sum[r] = 0.0f;
+  for (int64_t k = 0; k < words; ++k) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int j = 0; j < kRowLanes; ++j) sum[r] += squares[r * stride + j * words + k];
+    }
+  }
+  for (int r = 0; r < kRows; ++r) sums[r] = sum[r];
+}
+
+template <int kRowLanes>
+void sums_of_squares(const float* squares, int64_t stride, int64_t words, int rows, float* sums) {
+  static_assert(kGroupRows == 8, "a case per group size");
+  switch (rows) {
+    case 1:
+      return sum_rows<1, kRowLanes>(squares, stride, words, sums);
+    case 2:
+      return sum_rows<2, kRowLanes>(squares, stride, words, sums);
+    case 3:
+      return sum_rows<3, kRowLanes>(squares, stride, words, sums);
+    case 4:
+      return sum_rows<4, kRowLanes>(squares, stride, words, sums);
+    case 5:
+      return sum_rows<5, kRowLanes>(squares, stride, words, sums);
+    case 6:
+      return sum_rows<6, kRowLanes>(squares, stride, words, sums);
+    case 7:
+      return sum_rows<7, kRowLanes>(squares, stride, words, sums);
+    case 8:
+      return sum_rows<8, kRowLanes>(squares, stride, words, sums);
+    default:
+      TPF_FAIL("a group of " << rows << " rows");
+  }
+}
+
+// The norm's weight per element, as normalize computes it: gamma, or 1 + gamma in fp32.
+template <typename T, NormWeight kWeight>
+void load_weight(const Word* __restrict gamma, int64_t words, float* __restrict split) {
+  for (int64_t k = 0; k < words; ++k) {
+    for (int j = 0; j < kLanes<T>; ++j) {
+      const float g = lane_value<T>(gamma[k], j);
+      split[j * words + k] = kWeight == NormWeight::kOnePlusGamma ? 1.0f + g : g;
+    }
+  }
+}
+
+// normalize: (x * scale) * weight, rounded once.
+template <typename T>
+void normalize_row(const Word* __restrict rounded, const float* __restrict weight, float scale,
+                   int64_t words, Word* __restrict out) {
+  for (int64_t k = 0; k < words; ++k) {
+    uint32_t word = 0;
+    for (int j = 0; j < kLanes<T>; ++j) {
+      word |= lane_bits<T>((lane_value<T>(rounded[k], j) * scale) * weight[j * words + k], j);
+    }
+    out[k] = word;
+  }
+}
+
+// The FP8 output of one row from its normalized row (as stored in norm_out): the scale of the
+// call, of the token or of each group of kQuantGroupSize elements (epilogue.h's steps, the same
+// as the GPU's).
+template <typename T>
+void quantize_row(const void* normalized, const RowCall& p, int64_t token) {
   constexpr int64_t kElements = Packed<T>::kElements;
-  const int64_t vectors = int64_t(normalized.size());
+  const int64_t vectors = p.hidden / kElements;
   uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
+  const auto vector = [&](int64_t v) {
+    Vec16 packed;
+    std::memcpy(&packed, static_cast<const char*>(normalized) + v * 16, 16);
+    return packed;
+  };
   const auto store = [&](int64_t v, float scale) {
-    const QuantBytes<T> bytes = quantize_vector<T>(normalized[size_t(v)], scale);
+    const QuantBytes<T> bytes = quantize_vector<T>(vector(v), scale);
     std::memcpy(out + v * kElements, bytes.bytes, kElements);
   };
   switch (p.quant) {
@@ -54,8 +225,7 @@ void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_
     }
     case QuantMode::kPerToken: {
       float amax = 0.0f;
-      for (int64_t v = 0; v < vectors; ++v)
-        amax = fmaxf(amax, vector_amax<T>(normalized[size_t(v)]));
+      for (int64_t v = 0; v < vectors; ++v) amax = fmaxf(amax, vector_amax<T>(vector(v)));
       const float scale = dynamic_scale(amax);
       p.scales_out[token] = scale;
       for (int64_t v = 0; v < vectors; ++v) store(v, scale);
@@ -67,7 +237,7 @@ void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_
       for (int64_t g = 0; g < groups; ++g) {
         float amax = 0.0f;
         for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) {
-          amax = fmaxf(amax, vector_amax<T>(normalized[size_t(v)]));
+          amax = fmaxf(amax, vector_amax<T>(vector(v)));
         }
         const float scale = dynamic_scale(amax);
         p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] = scale;
@@ -80,95 +250,155 @@ void quantize_row(const std::vector<Vec16>& normalized, const RowCall& p, int64_
   }
 }
 
-// The epilogue over one row whose rank sum (fp32) is in `acc`, vector by vector. on_rounded(v,
-// vector) sees each rounded vector (residual_out's, or out's for a plain sum) as it is stored:
-// the two-shot owner sends it to its peers.
-template <typename T, typename Epilogue, typename OnRounded>
-void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token, OnRounded&& on_rounded) {
-  const int64_t vectors = p.hidden / Packed<T>::kElements;
-  const int64_t row = token * vectors;
-  float sum_squares = 0.0f;
-  for (int64_t v = 0; v < vectors; ++v) {
-    const Vec16 residual = Epilogue::kHasResidual ? load_plain(p.residual, row + v) : Vec16{};
-    const Vec16 rounded =
-        Epilogue::template round_sum<T>(lanes_at<T>(acc, v), residual, sum_squares);
-    void* destination = Epilogue::kHasNorm ? p.residual_out : p.norm_out;
-    if (destination != nullptr) store_plain(destination, row + v, rounded);
-    on_rounded(v, rounded);
-  }
-  if constexpr (Epilogue::kHasNorm) {
-    const float scale = rms_scale(sum_squares, p.hidden, p.eps);
-    std::vector<Vec16> normalized(Epilogue::kHasQuant ? size_t(vectors) : 0);
-    for (int64_t v = 0; v < vectors; ++v) {
-      const Vec16 out =
-          Epilogue::template normalize<T>(lanes_at<T>(acc, v), load_plain(p.gamma, v), scale);
-      store_plain(p.norm_out, row + v, out);
-      if constexpr (Epilogue::kHasQuant) normalized[size_t(v)] = out;
-    }
-    if constexpr (Epilogue::kHasQuant) quantize_row<T>(normalized, p, token);
-  }
-}
-
+// The epilogue over rows whose rank sum (fp32, split by lane) is in sum(): finish() rounds a row
+// and stores it at once (on_rounded sees it: the two-shot owner sends it to its peers there); the
+// norm follows for kGroupRows rows at a time (flush(): also the rows left at the end).
 template <typename T, typename Epilogue>
-void finish_row(std::vector<float>& acc, const RowCall& p, int64_t token) {
-  finish_row<T, Epilogue>(acc, p, token, [](int64_t, const Vec16&) {});
-}
-
-// Sums, in rank order into acc, `vectors` packet vectors at `offset` of every other sender's
-// region of this rank's slot (polling each until it has arrived) and this rank's own row, read
-// from its input at vector `own_vector` with sentinel words rewritten as a peer receives them.
-template <typename T>
-void receive_row(const CpuSession& session, CpuCall& call, const RowCall& p, size_t offset,
-                 int64_t own_vector, int64_t vectors, std::vector<float>& acc) {
-  const Exchange& x = p.exchange;
-  for (int64_t v = 0; v < vectors; ++v) {
-    Lanes<T>& lanes = lanes_at<T>(acc, v);
-    for (int r = 0; r < x.world_size; ++r) {
-      const Vec16 packet =
-          r == x.rank
-              ? rewrite_sentinel(load_plain(p.input, own_vector + v))
-              : poll_vector(session.receive_region(p.exchange, r) + offset + v * 16, call, r);
-      if (r == 0) {
-        accumulate_first<T>(lanes, packet);
-      } else {
-        accumulate<T>(lanes, packet);
+class RowFinisher {
+ public:
+  RowFinisher(const RowCall& p, RowScratch& scratch)
+      : p_(p),
+        n_(p.hidden),
+        words_(p.hidden / kLanes<T>),
+        row_bytes_(size_t(p.hidden) * sizeof(T)),
+        sum_(static_cast<float*>(scratch.sum.reserve(size_t(n_) * sizeof(float)))),
+        rounded_(static_cast<Word*>(scratch.rounded.reserve(kGroupRows * row_bytes_))) {
+    if constexpr (Epilogue::kHasNorm) {
+      squares_ = static_cast<float*>(scratch.squares.reserve(kGroupRows * size_t(n_) * 4));
+      weight_ = static_cast<float*>(scratch.weight.reserve(size_t(n_) * sizeof(float)));
+      load_weight<T, Epilogue::kKind.weight>(static_cast<const Word*>(p.gamma), words_, weight_);
+      if constexpr (Epilogue::kHasQuant) {
+        normalized_ = static_cast<Word*>(scratch.normalized.reserve(row_bytes_));
       }
     }
   }
+
+  float* sum() { return sum_; }
+
+  // round_sum for the row of `token`: + residual, one rounding, canonical zeros; the rounded row
+  // to residual_out (out without a norm) and to on_rounded(const void* row).
+  template <typename OnRounded>
+  void finish(int64_t token, OnRounded&& on_rounded) {
+    Word* const rounded = rounded_ + size_t(rows_) * size_t(words_);
+    if constexpr (Epilogue::kHasResidual) {
+      add_widened<T>(row_of(p_.residual, token), words_, sum_);
+    }
+    round_row<T>(sum_, words_, rounded);
+    void* destination = Epilogue::kHasNorm ? p_.residual_out : p_.norm_out;
+    if (destination != nullptr) std::memcpy(row_of(destination, token), rounded, row_bytes_);
+    on_rounded(static_cast<const void*>(rounded));
+    if constexpr (Epilogue::kHasNorm) {
+      square_row<T>(rounded, words_, squares_ + size_t(rows_) * size_t(n_));
+      tokens_[rows_] = token;
+      if (++rows_ == kGroupRows) flush();
+    }
+  }
+  void finish(int64_t token) {
+    finish(token, [](const void*) {});
+  }
+
+  // The norm of the rows finished since the last flush.
+  void flush() {
+    if constexpr (Epilogue::kHasNorm) {
+      if (rows_ == 0) return;
+      float sums[kGroupRows];
+      sums_of_squares<kLanes<T>>(squares_, n_, words_, rows_, sums);
+      for (int r = 0; r < rows_; ++r) {
+        const float scale = rms_scale(sums[r], p_.hidden, p_.eps);
+        Word* const out = Epilogue::kHasQuant ? normalized_ : row_of(p_.norm_out, tokens_[r]);
+        normalize_row<T>(rounded_ + size_t(r) * size_t(words_), weight_, scale, words_, out);
+        if constexpr (Epilogue::kHasQuant) {
+          std::memcpy(row_of(p_.norm_out, tokens_[r]), out, row_bytes_);
+          quantize_row<T>(out, p_, tokens_[r]);
+        }
+      }
+      rows_ = 0;
+    }
+  }
+
+ private:
+  Word* row_of(void* base, int64_t token) const {
+    return reinterpret_cast<Word*>(static_cast<char*>(base) + size_t(token) * row_bytes_);
+  }
+  const Word* row_of(const void* base, int64_t token) const {
+    return reinterpret_cast<const Word*>(static_cast<const char*>(base) +
+                                         size_t(token) * row_bytes_);
+  }
+
+  const RowCall& p_;
+  const int64_t n_;
+  const int64_t words_;
+  const size_t row_bytes_;
+  float* const sum_;
+  Word* const rounded_;       // kGroupRows rows
+  float* squares_ = nullptr;  // kGroupRows rows, split by lane
+  float* weight_ = nullptr;
+  Word* normalized_ = nullptr;
+  int rows_ = 0;
+  int64_t tokens_[kGroupRows] = {};
+};
+
+// The rank sum, in rank order, of one row into `sum`: this rank's own row from `own`, sentinel
+// words rewritten as a peer receives them, and every other sender's packets at `offset` of its
+// region of this rank's slot.
+template <typename T>
+void receive_row(const CpuSession& session, CpuCall& call, const RowCall& p, size_t offset,
+                 const void* own, float* sum) {
+  const Exchange& x = p.exchange;
+  const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+  void* const packets = row_scratch().packets.reserve(row_bytes);
+  for (int r = 0; r < x.world_size; ++r) {
+    if (r == x.rank) {
+      copy_rewritten(own, row_bytes, packets);
+    } else {
+      poll_packets(session.receive_region(x, r) + offset, row_bytes, call, r, packets);
+    }
+    if (r == 0) {
+      widen<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
+    } else {
+      add_widened<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
+    }
+  }
 }
 
-// Stores `vectors` vectors of `source` (sentinel words rewritten) at `offset` of this rank's
-// sender region of the call's slot in rank `receiver`'s workspace.
-void send_row(const Exchange& x, const CpuSession& session, int receiver, size_t offset,
-              const void* source, int64_t first_vector, int64_t vectors) {
-  char* base = x.workspace[receiver] + session.send_offset(x) + offset;
-  for (int64_t v = 0; v < vectors; ++v) {
-    store_vector(base + v * 16, rewrite_sentinel(load_plain(source, first_vector + v)));
+// Stores `bytes` of `row` (sentinel words rewritten) at `offset` of this rank's sender region of
+// the call's slot in every other rank's workspace, the next rank first.
+void send_to_peers(const Exchange& x, const CpuSession& session, size_t offset, const void* row,
+                   size_t bytes) {
+  for (int step = 1; step < x.world_size; ++step) {
+    const int receiver = (x.rank + step) % x.world_size;
+    store_packets(x.workspace[receiver] + session.send_offset(x) + offset, row, bytes);
   }
 }
 
 template <typename T, typename Epilogue>
 void oneshot(const RowCall& p) {
-  const CpuSession session = begin_session(p.exchange);
-  CpuCall call{p.exchange, session.slot(), p.signature};
-  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const Exchange& x = p.exchange;
+  const CpuSession session = begin_session(x);
+  CpuCall call{x, session.slot(), p.signature};
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
+  const auto input_row = [&](int64_t token) {
+    return static_cast<const char*>(p.input) + size_t(token) * row_bytes;
+  };
 
   // Send: the call header, then this rank's packet, sentinel words rewritten, into every other
-  // rank's slot.
-  send_header(p.exchange, session, p.signature);
-  for (int r = 0; r < session.world(p.exchange); ++r) {
-    if (r != p.exchange.rank) send_row(p.exchange, session, r, 0, p.input, 0, p.tokens * vectors);
-  }
-  session.clear_previous(p.exchange);
-
-  // Receive: sum every rank's packet in rank order, then the epilogue, row by row.
-  std::vector<float> acc(size_t(p.hidden));
+  // rank's slot, row by row.
+  send_header(x, session, p.signature);
+  void* const packets = row_scratch().packets.reserve(row_bytes);
   for (int64_t token = 0; token < p.tokens; ++token) {
-    receive_row<T>(session, call, p, size_t(token) * row_bytes, token * vectors, vectors, acc);
-    finish_row<T, Epilogue>(acc, p, token);
+    copy_rewritten(input_row(token), row_bytes, packets);
+    send_to_peers(x, session, size_t(token) * row_bytes, packets, row_bytes);
   }
-  session.arrive(p.exchange.control, uint64_t(p.tokens) * row_bytes);
+  session.clear_previous(x);
+
+  // Receive: sum every rank's packet in rank order, then the epilogue.
+  RowFinisher<T, Epilogue> finisher(p, row_scratch());
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    receive_row<T>(session, call, p, size_t(token) * row_bytes, input_row(token), finisher.sum());
+    finisher.finish(token);
+  }
+  finisher.flush();
+  session.arrive(x.control, uint64_t(p.tokens) * row_bytes);
   finish_call(call);
 }
 
@@ -176,68 +406,70 @@ void oneshot(const RowCall& p) {
 // owned rows and all-gather them rounded, finish the rows received rounded.
 template <typename T, typename Epilogue>
 void twoshot(const RowCall& p) {
-  const CpuSession session = begin_session(p.exchange);
-  CpuCall call{p.exchange, session.slot(), p.signature};
-  send_header(p.exchange, session, p.signature);
-  const int rank = p.exchange.rank;
-  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const Exchange& x = p.exchange;
+  const CpuSession session = begin_session(x);
+  CpuCall call{x, session.slot(), p.signature};
+  send_header(x, session, p.signature);
+  const int rank = x.rank;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
-  const TwoShotLayout layout(p.tokens, session.world(p.exchange));
+  const TwoShotLayout layout(p.tokens, session.world(x));
+  const auto input_row = [&](int64_t token) {
+    return static_cast<const char*>(p.input) + size_t(token) * row_bytes;
+  };
 
   // Reduce-scatter: each input row to the rank that owns its token (its own rows stay in its
-  // input).
-  for (int owner = 0; owner < session.world(p.exchange); ++owner) {
-    if (owner == rank) continue;
+  // input), the next rank first.
+  void* const packets = row_scratch().packets.reserve(row_bytes);
+  for (int step = 1; step < x.world_size; ++step) {
+    const int owner = (rank + step) % x.world_size;
     for (int64_t local = 0; local < layout.count(owner); ++local) {
-      send_row(p.exchange, session, owner, layout.scatter_row(local, row_bytes), p.input,
-               (layout.begin(owner) + local) * vectors, vectors);
+      copy_rewritten(input_row(layout.begin(owner) + local), row_bytes, packets);
+      store_packets(
+          x.workspace[owner] + session.send_offset(x) + layout.scatter_row(local, row_bytes),
+          packets, row_bytes);
     }
   }
-  session.clear_previous(p.exchange);
+  session.clear_previous(x);
 
   // Owned rows: rank-ordered sum, epilogue, and the rounded row to every other rank.
-  std::vector<float> acc(size_t(p.hidden));
-  for (int64_t local = 0; local < layout.count(rank); ++local) {
-    receive_row<T>(session, call, p, layout.scatter_row(local, row_bytes),
-                   (layout.begin(rank) + local) * vectors, vectors, acc);
-    finish_row<T, Epilogue>(
-        acc, p, layout.begin(rank) + local, [&](int64_t v, const Vec16& rounded) {
-          for (int r = 0; r < session.world(p.exchange); ++r) {
-            if (r == rank) continue;
-            store_vector(p.exchange.workspace[r] + session.send_offset(p.exchange) +
-                             layout.gather_row(local, row_bytes) + v * 16,
-                         rounded);
-          }
-        });
+  {
+    RowFinisher<T, Epilogue> finisher(p, row_scratch());
+    for (int64_t local = 0; local < layout.count(rank); ++local) {
+      const int64_t token = layout.begin(rank) + local;
+      receive_row<T>(session, call, p, layout.scatter_row(local, row_bytes), input_row(token),
+                     finisher.sum());
+      finisher.finish(token, [&](const void* rounded) {
+        send_to_peers(x, session, layout.gather_row(local, row_bytes), rounded, row_bytes);
+      });
+    }
+    finisher.flush();
   }
 
   // Rows other ranks own arrive rounded: finish them exactly as their owner did.
-  for (int owner = 0; owner < session.world(p.exchange); ++owner) {
-    if (owner == rank) continue;
-    const char* base = session.receive_region(p.exchange, owner);
+  RowFinisher<T, typename Epilogue::Gathered> finisher(p, row_scratch());
+  for (int step = 1; step < x.world_size; ++step) {
+    const int owner = (rank + step) % x.world_size;
+    const char* base = session.receive_region(x, owner);
     for (int64_t local = 0; local < layout.count(owner); ++local) {
-      for (int64_t v = 0; v < vectors; ++v) {
-        const Vec16 packet =
-            poll_vector(base + layout.gather_row(local, row_bytes) + v * 16, call, owner);
-        accumulate_first<T>(lanes_at<T>(acc, v), packet);
-      }
-      finish_row<T, typename Epilogue::Gathered>(acc, p, layout.begin(owner) + local);
+      poll_packets(base + layout.gather_row(local, row_bytes), row_bytes, call, owner, packets);
+      widen<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, finisher.sum());
+      finisher.finish(layout.begin(owner) + local);
     }
   }
-  session.arrive(p.exchange.control, layout.sender_bytes(row_bytes));
+  finisher.flush();
+  session.arrive(x.control, layout.sender_bytes(row_bytes));
   finish_call(call);
 }
 
 template <typename T, typename Epilogue>
 void local_epilogue(const RowCall& p) {
-  const int64_t vectors = p.hidden / Packed<T>::kElements;
-  std::vector<float> acc(size_t(p.hidden));
+  RowFinisher<T, Epilogue> finisher(p, row_scratch());
   for (int64_t token = 0; token < p.tokens; ++token) {
-    for (int64_t v = 0; v < vectors; ++v) {
-      accumulate_first<T>(lanes_at<T>(acc, v), load_plain(p.input, token * vectors + v));
-    }
-    finish_row<T, Epilogue>(acc, p, token);
+    widen<T>(static_cast<const Word*>(p.input) + token * (p.hidden / kLanes<T>),
+             p.hidden / kLanes<T>, finisher.sum());
+    finisher.finish(token);
   }
+  finisher.flush();
 }
 
 // Binds dtype and epilogue and calls fn(T, Epilogue).

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <vector>
 
 #include "reference.h"
 #include "tpfuse/impl/lamport.h"
@@ -67,6 +68,74 @@ TEST(Numeric, RoundsToNearestEven) {
   EXPECT_EQ(from_float<Float16>(std::ldexp(1.5f, -25)).bits, 0x0001);
   EXPECT_EQ(from_float<BFloat16>(1.0f + std::ldexp(1.0f, -8)).bits, 0x3f80);  // tie to even
   EXPECT_EQ(from_float<BFloat16>(1.0f + std::ldexp(3.0f, -8)).bits, 0x3f82);
+}
+
+// The host conversions as they were first written, with branches; numeric.h's are selects (so
+// that loops over them vectorize) and must give the same bits for every input.
+float branchy_to_float(Float16 x) {
+  const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    if (mantissa == 0) return bits_float(sign);
+    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+uint16_t branchy_bfloat16(float x) {
+  const uint32_t u = float_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t((u + rounding) >> 16);
+}
+
+uint16_t branchy_float16(float x) {
+  const uint32_t u = float_bits(x);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (magnitude >= 0x477ff000u) return uint16_t(sign | 0x7c00u);
+  if (magnitude < 0x38800000u) {
+    if (magnitude < 0x33000000u) return sign;
+    const uint32_t exponent = magnitude >> 23;
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exponent;
+    uint32_t result = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;
+    return uint16_t(sign | result);
+  }
+  const uint32_t rebased = magnitude - (112u << 23);
+  const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
+  return uint16_t(sign | (rounded >> 13));
+}
+
+TEST(Numeric, HostConversionsGiveTheBranchyFormsBitsForEveryInput) {
+  for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    ASSERT_EQ(float_bits(to_float(Float16{uint16_t(bits)})),
+              float_bits(branchy_to_float(Float16{uint16_t(bits)})))
+        << std::hex << bits;
+  }
+  // Every fp32, in blocks: a loop of numeric.h's conversions (vectorized, as the CPU backend
+  // runs them), then the branchy forms one by one.
+  constexpr uint32_t kBlock = 1u << 16;
+  std::vector<float> x(kBlock);
+  std::vector<uint16_t> bf16(kBlock), fp16(kBlock);
+  for (uint64_t first = 0; first < (uint64_t(1) << 32); first += kBlock) {
+    for (uint32_t i = 0; i < kBlock; ++i) x[i] = bits_float(uint32_t(first + i));
+    for (uint32_t i = 0; i < kBlock; ++i) bf16[i] = from_float<BFloat16>(x[i]).bits;
+    for (uint32_t i = 0; i < kBlock; ++i) fp16[i] = from_float<Float16>(x[i]).bits;
+    for (uint32_t i = 0; i < kBlock; ++i) {
+      if (bf16[i] != branchy_bfloat16(x[i]) || fp16[i] != branchy_float16(x[i])) {
+        FAIL() << std::hex << "fp32 " << float_bits(x[i]) << ": bf16 " << bf16[i] << " vs "
+               << branchy_bfloat16(x[i]) << ", fp16 " << fp16[i] << " vs " << branchy_float16(x[i]);
+      }
+    }
+  }
 }
 
 TEST(Numeric, Fp8E4M3CodesRoundTrip) {

@@ -2,7 +2,9 @@
 //
 // Conversions round to nearest even. On the device they are the hardware instructions; on the
 // host they are bit-exact software versions, so the CPU backend rounds the same way (NaN payloads
-// aside: any NaN stays a NaN).
+// aside: any NaN stays a NaN). The host versions are written as selects, without branches: the CPU
+// backend's loops over rows of them vectorize (tests/cpu/test_numeric.cc holds them to the
+// branchy forms they replaced, over every input).
 #pragma once
 
 #include <cstdint>
@@ -62,15 +64,12 @@ TPF_HOST_DEVICE float to_float(Float16 x) {
 #else
   const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
   const uint32_t exponent = (x.bits >> 10) & 0x1fu;
-  uint32_t mantissa = x.bits & 0x3ffu;
-  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent == 0) {
-    if (mantissa == 0) return bits_float(sign);
-    // Subnormal half: value = mantissa * 2^-24, exact in fp32.
-    const float magnitude = float(mantissa) * 5.9604644775390625e-8f;
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  const uint32_t mantissa = x.bits & 0x3ffu;
+  const uint32_t special = sign | 0x7f800000u | (mantissa << 13);  // Inf, NaN
+  // Zero or subnormal half: mantissa * 2^-24, exact in fp32.
+  const uint32_t small = sign | float_bits(float(int32_t(mantissa)) * 5.9604644775390625e-8f);
+  const uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  return bits_float(exponent == 0x1fu ? special : exponent == 0 ? small : normal);
 #endif
 }
 
@@ -89,9 +88,9 @@ TPF_HOST_DEVICE BFloat16 from_float<BFloat16>(float x) {
   return BFloat16{raw.x};
 #else
   const uint32_t u = float_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{uint16_t((u >> 16) | 0x40u)};  // quiet NaN
-  const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-  return BFloat16{uint16_t((u + rounding) >> 16)};
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return BFloat16{uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded)};
 #endif
 }
 
@@ -102,26 +101,20 @@ TPF_HOST_DEVICE Float16 from_float<Float16>(float x) {
   return Float16{raw.x};
 #else
   const uint32_t u = float_bits(x);
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return Float16{uint16_t(sign | 0x7e00u)};   // NaN
-  if (magnitude >= 0x477ff000u) return Float16{uint16_t(sign | 0x7c00u)};  // rounds to Inf
-  if (magnitude < 0x38800000u) {
-    // Result is subnormal or zero: round magnitude / 2^-24 to an integer, ties to even.
-    if (magnitude < 0x33000000u) return Float16{sign};  // below half the smallest subnormal
-    const uint32_t exponent = magnitude >> 23;
-    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - exponent;  // 14..24 for this range
-    uint32_t result = mantissa >> shift;
-    const uint32_t remainder = mantissa & ((1u << shift) - 1u);
-    const uint32_t halfway = 1u << (shift - 1u);
-    if (remainder > halfway || (remainder == halfway && (result & 1u))) ++result;
-    return Float16{uint16_t(sign | result)};
-  }
   // Normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even.
   const uint32_t rebased = magnitude - (112u << 23);
-  const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
-  return Float16{uint16_t(sign | (rounded >> 13))};
+  const uint32_t normal = (rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13;
+  // Subnormal or zero (below 2^-14): magnitude / 2^-24 rounded to an integer, ties to even. Adding
+  // 0.5, whose ulp is 2^-24, is that rounding (round-to-nearest-even, the default mode every fp32
+  // add here runs in); fp32 subnormals give 0 whether or not they are flushed.
+  const uint32_t small = float_bits(bits_float(magnitude) + 0.5f) - 0x3f000000u;
+  const uint32_t result = magnitude > 0x7f800000u    ? 0x7e00u  // NaN
+                          : magnitude >= 0x477ff000u ? 0x7c00u  // rounds to Inf
+                          : magnitude < 0x38800000u  ? small
+                                                     : normal;
+  return Float16{uint16_t(sign | result)};
 #endif
 }
 

@@ -158,6 +158,16 @@ TPF_HOST_DEVICE CallState read_call_state(const ControlBlock* control) {
   return state;
 }
 
+// Whether a Coop is a single thread (the CPU's ThreadCoop says so with kOneThread = true).
+template <typename Coop, typename = void>
+struct IsOneThread {
+  static constexpr bool value = false;
+};
+template <typename Coop>
+struct IsOneThread<Coop, decltype(void(Coop::kOneThread))> {
+  static constexpr bool value = Coop::kOneThread;
+};
+
 // One call of one rank: the call state it read, and the steps that use it. kWorldSize > 0 binds
 // the world size at compile time (0: the exchange's). The steps take the call's Exchange where
 // they use it rather than holding a copy or a pointer: a kernel's parameters are then read
@@ -207,11 +217,20 @@ class LamportSession {
     char* base = x.workspace[x.rank] +
                  packet_offset(slot_to_clear(state_.slot), 0, world(x), x.packet_bytes);
     const int64_t stride = Coop::thread_count();
-    for (int64_t i = Coop::thread_index(); i < total; i += stride) {
-      const int64_t region = i / per_sender;
-      const int64_t sender = region >= x.rank ? region + 1 : region;
-      Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x.packet_bytes) +
-                           (i - region * per_sender));
+    if constexpr (IsOneThread<Coop>::value) {
+      // The same stores in the same order, region by region: no division per vector.
+      for (int64_t region = 0; region < world(x) - 1; ++region) {
+        const int64_t sender = region >= x.rank ? region + 1 : region;
+        Vec16* const first = reinterpret_cast<Vec16*>(base + sender * x.packet_bytes);
+        for (int64_t v = 0; v < per_sender; ++v) Coop::store_sentinel(first + v);
+      }
+    } else {
+      for (int64_t i = Coop::thread_index(); i < total; i += stride) {
+        const int64_t region = i / per_sender;
+        const int64_t sender = region >= x.rank ? region + 1 : region;
+        Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x.packet_bytes) +
+                             (i - region * per_sender));
+      }
     }
     // The previous call's headers (every sender's but this rank's, which nobody sends it).
     for (int64_t sender = Coop::thread_index(); sender < world(x); sender += stride) {
