@@ -208,11 +208,14 @@ if [[ " $STEPS " == *" python "* ]]; then
       grep -E "^#[0-9]+ " "$OUT/python-backtrace.log" | head -25
     fi
   done
-  timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
-    tee -a "$OUT/python.log" || status=1
-  # The QK norm from torch: the torch-eager unfused pattern against the fused op (issue 3).
-  timeout 200 python3 bench/torch_qk_baseline.py --out "$OUT/torch_qk.json" 2>&1 |
-    tee -a "$OUT/python.log" || status=1
+  # The torch-side benchmarks (PYTHON_BENCHES=0 leaves them out: a tests-only call).
+  if [ "${PYTHON_BENCHES:-1}" = 1 ]; then
+    timeout 200 python3 bench/torch_host_overhead.py --out "$OUT/host_overhead.json" 2>&1 |
+      tee -a "$OUT/python.log" || status=1
+    # The QK norm from torch: the torch-eager unfused pattern against the fused op.
+    timeout 200 python3 bench/torch_qk_baseline.py --out "$OUT/torch_qk.json" 2>&1 |
+      tee -a "$OUT/python.log" || status=1
+  fi
 fi
 if [[ " $STEPS " == *" e2e "* ]]; then
   step e2e
