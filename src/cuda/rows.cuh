@@ -33,14 +33,12 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
 
 // This thread's vectors of token `token`'s contribution to the sum: its input row, or (kHasMoe)
 // the MoE combine of its expert rows (epilogue.h's steps), rounded once to T. The expert rows are
-// loaded kChunk at a time, all in flight before the first is added, and added in order: eight
-// vectors a thread in flight (32 registers), so a top-8 row of one vector a thread is one round
-// of loads.
+// loaded kChunk at a time, all in flight before the first is added, and added in order.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __device__ __forceinline__ void load_contribution(const RowCall& p, int64_t token, int64_t vectors,
                                                   Vec16 (&out)[kVecsPerThread]) {
   if constexpr (Epilogue::kHasMoe) {
-    constexpr int kChunk = kVecsPerThread >= 8 ? 1 : 8 / kVecsPerThread;
+    constexpr int kChunk = kVecsPerThread <= 2 ? 4 : 1;
     float acc[kVecsPerThread][Packed<T>::kElements] = {};
     for (int first = 0; first < p.moe_topk; first += kChunk) {
       Vec16 rows[kChunk][kVecsPerThread];
