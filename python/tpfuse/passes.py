@@ -605,6 +605,12 @@ def quant_fp8_group(n):
 
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# The fused ops the FP8 stage extends, and the form with the FP8 output of each.
+_FP8_FORM = {
+    FUSED_NORM: FUSED_NORM_FP8,
+    torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm.default:
+        torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default,
+}
 
 
 def _node_before(first: torch.fx.Node, second: torch.fx.Node) -> bool:
@@ -650,13 +656,14 @@ class NormQuantFp8(FusedPattern):
 
     @staticmethod
     def norm_op_of(n: torch.fx.Node) -> Optional[torch.fx.Node]:
-        """The fused add + RMSNorm (without FP8 output) whose norm output `n` is, through views."""
+        """The fused add + RMSNorm (without FP8 output; plain or with the MoE finalize) whose norm
+        output `n` is, through views."""
         while isinstance(n, torch.fx.Node) and n.target in _VIEWS:
             n = n.args[0]
         if not isinstance(n, torch.fx.Node) or n.target is not operator.getitem:
             return None
         op, index = n.args
-        if index != 0 or not isinstance(op, torch.fx.Node) or op.target != FUSED_NORM:
+        if index != 0 or not isinstance(op, torch.fx.Node) or op.target not in _FP8_FORM:
             return None
         return op
 
@@ -694,17 +701,16 @@ class NormQuantFp8(FusedPattern):
 
     def rewrite(self, match: Match, *args, **kwargs) -> None:
         op = self.fits(match)
-        arguments = op_arguments(op)
-        scale = kwargs["scale"] if self.mode == "static" else None
-        new_args = (
-            arguments["team"], arguments["input"], arguments["residual"], arguments["weight"],
-            arguments["eps"], self.quant, scale, False, arguments["algorithm"],
-            arguments.get("norm_weight", 0),
-        )
+        target = _FP8_FORM[op.target]
+        # The op's own arguments by name, and the FP8 output's, in the FP8 form's order.
+        values = dict(op_arguments(op), quant=self.quant, column_major_scales=False,
+                      scale=kwargs["scale"] if self.mode == "static" else None)
+        new_args = tuple(values[a.name] if a.name in values else a.default_value
+                         for a in target._schema.arguments)
         with torch._dynamo.utils.detect_fake_mode([op.meta["val"][0]]):
             fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in new_args]
-            value = FUSED_NORM_FP8(*fake)
-        op.target, op.args, op.kwargs = FUSED_NORM_FP8, new_args, {}
+            value = target(*fake)
+        op.target, op.args, op.kwargs = target, new_args, {}
         op.meta["val"] = value
         if "eager_input_vals" in op.meta:  # what Inductor holds the op's layouts to
             op.meta["eager_input_vals"] = (tuple(fake), {})

@@ -317,6 +317,31 @@ class PassesMoe(PassesFp8):
         self.assertEqual(self.ops("after").count(FUSED), 1)
         base.Passes.check_close(self, got, expected)
 
+    def test_the_norm_of_a_moe_site_quantized_takes_the_fp8_form_too(self):
+        for mode, (quantize, stat, quant) in MODES.items():
+            with self.subTest(mode=mode):
+
+                def model(rows, weights, residual, weight, scale):
+                    partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+                    h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+                    n = vllm_rms_norm(h, weight, 1e-6)
+                    return (n, h, *as_tuple(quantize(n, scale)))
+
+                args = self.moe_inputs(hidden=384) + [torch.tensor([0.02]).to(self.device)]
+                got, expected = self.compile_and_run(model, args)
+                self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 1)
+                self.assertEqual(self.fusion.stats[stat], 1)
+                after = self.ops("after")
+                self.assertEqual(after.count(ALL_REDUCE), 0, after)
+                self.assertEqual(
+                    after.count("tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default"), 1, after)
+                self.assertEqual(after.count(self.FUSED_MOE), 0, after)
+                for op in QUANT_OPS:
+                    self.assertNotIn(op, after)
+                # The FP8 output is the torch quantization of the op's own norm output.
+                s, es = (got[3], expected[3]) if mode != "static" else (None, None)
+                self.check_quantized(mode, got[0], got[2], s, expected[2], es, args[4])
+
     # The FP8 tests above are PassesFp8's; not run twice.
     test_every_mode_with_the_norm_used_elsewhere_too = None
     test_every_mode_with_only_the_fp8_output_read = None
