@@ -13,6 +13,11 @@ the order one-shot, two-shot, NCCL loses to it (the simpler one; noise does not 
 consecutive points with the same winner make one row, whose max_bytes is the largest of them
 (sizes between two measured points go to the next point's winner); past the largest measured
 size, NCCL ("not measured").
+
+CPU runs (tpfuse-bench --backend cpu, records of backend "cpu") give rows for the device "cpu",
+the name every CPU team looks its rows up by: one-shot against two-shot (the CPU backend's "nccl"
+is a stand-in, never what a CPU team should choose), and past the largest measured size the last
+winner (a team falls back on its own when the workspace cannot carry a message).
 """
 
 from __future__ import annotations
@@ -24,22 +29,26 @@ import textwrap
 from collections import defaultdict
 
 ALGORITHMS = ("oneshot", "twoshot", "nccl")  # the order ties are broken in
-IMPLS = {"tpfuse_oneshot": "oneshot", "tpfuse_twoshot": "twoshot", "tpfuse_nccl": "nccl"}
+IMPLS = {"tpfuse_oneshot": "oneshot", "tpfuse_twoshot": "twoshot", "tpfuse_nccl": "nccl",
+         "tpfuse_oneshot_cpu": "oneshot", "tpfuse_twoshot_cpu": "twoshot"}
+CPU_DEVICE = "cpu"  # the selection table's device name of every CPU team
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 HEADER = "device,world_size,max_bytes,algorithm"
 
 
 def measurements(records):
-    """{(gpu, world): {bytes: {algorithm: us}}} of the fused op's forced algorithms (several
-    widths giving one size: their mean)."""
+    """{(device, world): {bytes: {algorithm: us}}} of the fused op's forced algorithms (several
+    widths giving one size: their mean); device is the GPU's name, or "cpu" for CPU records."""
     samples = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in records:
         if r.get("op") != "allreduce_add_rmsnorm" or r.get("impl") not in IMPLS:
             continue
-        if r.get("backend", "cuda") != "cuda":
+        backend = r.get("backend", "cuda")
+        if backend not in ("cuda", "cpu") or r["impl"].endswith("_cpu") != (backend == "cpu"):
             continue
+        device = CPU_DEVICE if backend == "cpu" else r["gpu"]
         size = int(r["tokens"]) * int(r["hidden"]) * ELEMENT_BYTES[r.get("dtype", "bf16")]
-        samples[(r["gpu"], int(r["world_size"]))][size][IMPLS[r["impl"]]].append(float(r["us"]))
+        samples[(device, int(r["world_size"]))][size][IMPLS[r["impl"]]].append(float(r["us"]))
     return {group: {size: {a: sum(v) / len(v) for a, v in by_algorithm.items()}
                     for size, by_algorithm in sizes.items()}
             for group, sizes in samples.items()}
@@ -50,8 +59,9 @@ def winner(times, tie):
     return next(a for a in ALGORITHMS if a in times and times[a] <= best * (1 + tie))
 
 
-def rows(sizes, tie=0.02):
-    """[(max_bytes, algorithm)] for one GPU and world size; max_bytes None means no bound."""
+def rows(sizes, tie=0.02, beyond="nccl"):
+    """[(max_bytes, algorithm)] for one device and world size; max_bytes None means no bound.
+    Past the largest measured size: `beyond`, or None for the last winner (the CPU's rule)."""
     runs = []
     for size in sorted(sizes):
         algorithm = winner(sizes[size], tie)
@@ -59,29 +69,42 @@ def rows(sizes, tie=0.02):
             runs[-1][0] = size
         else:
             runs.append([size, algorithm])
-    if runs and runs[-1][1] == "nccl":
+    if runs and runs[-1][1] == (beyond or runs[-1][1]):
         runs[-1][0] = None
     else:
-        runs.append([None, "nccl"])
+        runs.append([None, beyond])
     return [tuple(run) for run in runs]
+
+
+def device_rows(device, sizes, tie=0.02):
+    """rows() with the device's rule past the largest measured size."""
+    return rows(sizes, tie, beyond=None if device == CPU_DEVICE else "nccl")
 
 
 def note(records, gpu, world, sizes, source):
     """The comment block above a group's rows: where the figures come from, and the figures."""
+    cpu = gpu == CPU_DEVICE
     first = next(r for r in records if r.get("gpu") == gpu and int(r.get("world_size", 0)) == world
                  and r.get("op") == "allreduce_add_rmsnorm")
-    text = (f"{gpu}, {world} ranks, driver {first.get('driver', '?')}, CUDA "
-            f"{first.get('cuda', '?')}, NCCL {first.get('nccl', '?')}, commit "
-            f"{first.get('commit', '?')}, {first.get('date', '?')[:10]}, "
-            f"{first.get('method', '?')} ({source}), us per op (nccl: NCCL all-reduce + the "
-            "local fused kernel):")
+    if cpu:
+        text = (f"CPU teams ({first.get('host_cpu') or 'host CPU'}), {world} ranks, commit "
+                f"{first.get('commit', '?')}, {first.get('date', '?')[:10]}, "
+                f"{first.get('method', '?')} ({source}), us per op:")
+        shown = ALGORITHMS[:2]
+    else:
+        text = (f"{gpu}, {world} ranks, driver {first.get('driver', '?')}, CUDA "
+                f"{first.get('cuda', '?')}, NCCL {first.get('nccl', '?')}, commit "
+                f"{first.get('commit', '?')}, {first.get('date', '?')[:10]}, "
+                f"{first.get('method', '?')} ({source}), us per op (nccl: NCCL all-reduce + the "
+                "local fused kernel):")
+        shown = ALGORITHMS
     lines = ["# " + line for line in textwrap.wrap(text, 96)]
-    lines.append("#   bytes      " + "  ".join(f"{a:>8}" for a in ALGORITHMS))
+    lines.append("#   bytes      " + "  ".join(f"{a:>8}" for a in shown))
     for size in sorted(sizes):
-        cells = [f"{sizes[size][a]:8.2f}" if a in sizes[size] else f"{'-':>8}"
-                 for a in ALGORITHMS]
+        cells = [f"{sizes[size][a]:8.2f}" if a in sizes[size] else f"{'-':>8}" for a in shown]
         lines.append(f"#   {size:<10} " + "  ".join(cells))
-    lines.append("# Rows by bench/selection_table.py; past the largest size measured: NCCL.")
+    beyond = "the last winner" if cpu else "NCCL"
+    lines.append(f"# Rows by bench/selection_table.py; past the largest size measured: {beyond}.")
     return lines
 
 
@@ -152,13 +175,13 @@ def main(argv=None) -> int:
         records = json.load(file)
     groups = measurements(records)
     if not groups:
-        print(f"{args.results}: no GPU allreduce_add_rmsnorm records with forced algorithms",
+        print(f"{args.results}: no allreduce_add_rmsnorm records with forced algorithms",
               file=sys.stderr)
         return 1
     blocks = {}
     for (gpu, world), sizes in sorted(groups.items()):
         blocks[(gpu, world)] = (note(records, gpu, world, sizes, args.source or args.results)
-                                + table_rows(gpu, world, rows(sizes, args.tie)))
+                                + table_rows(gpu, world, device_rows(gpu, sizes, args.tie)))
     if args.merge:
         with open(args.merge) as file:
             table_text = file.read()

@@ -68,6 +68,9 @@ RowScratch& row_scratch() {
   return scratch;
 }
 
+// The loops below are inlined into each instruction set's build of them (RowLoops).
+#define TPF_ROW_LOOP inline __attribute__((always_inline))
+
 // A row as the loops see it: its 32-bit words (Word), each holding kLanes<T> elements (one fp32,
 // or two 16-bit elements, the low half first), and its fp32 values split by lane: lane j of word k
 // at [j * words + k]. Every loop then works on whole words, element-wise, and vectorizes without
@@ -97,13 +100,13 @@ uint32_t lane_bits(float x, int lane) {
 
 // accumulate_first, then accumulate: split = x, split += x.
 template <typename T>
-void widen(const Word* __restrict x, int64_t words, float* __restrict split) {
+TPF_ROW_LOOP void widen(const Word* __restrict x, int64_t words, float* __restrict split) {
   for (int64_t k = 0; k < words; ++k) {
     for (int j = 0; j < kLanes<T>; ++j) split[j * words + k] = lane_value<T>(x[k], j);
   }
 }
 template <typename T>
-void add_widened(const Word* __restrict x, int64_t words, float* __restrict split) {
+TPF_ROW_LOOP void add_widened(const Word* __restrict x, int64_t words, float* __restrict split) {
   for (int64_t k = 0; k < words; ++k) {
     for (int j = 0; j < kLanes<T>; ++j) split[j * words + k] += lane_value<T>(x[k], j);
   }
@@ -118,7 +121,7 @@ void copy_rewritten(const void* source, size_t bytes, void* out) {
 
 // round_output: one rounding to T, then canonical zeros.
 template <typename T>
-void round_row(const float* __restrict split, int64_t words, Word* __restrict out) {
+TPF_ROW_LOOP void round_row(const float* __restrict split, int64_t words, Word* __restrict out) {
   for (int64_t k = 0; k < words; ++k) {
     uint32_t word = 0;
     for (int j = 0; j < kLanes<T>; ++j) word |= lane_bits<T>(split[j * words + k], j);
@@ -128,7 +131,8 @@ void round_row(const float* __restrict split, int64_t words, Word* __restrict ou
 
 // The squares residual_round adds to a row's sum: of the rounded values, as fp32.
 template <typename T>
-void square_row(const Word* __restrict rounded, int64_t words, float* __restrict squares) {
+TPF_ROW_LOOP void square_row(const Word* __restrict rounded, int64_t words,
+                             float* __restrict squares) {
   for (int64_t k = 0; k < words; ++k) {
     for (int j = 0; j < kLanes<T>; ++j) {
       const float x = lane_value<T>(rounded[k], j);
@@ -178,7 +182,8 @@ void sums_of_squares(const float* squares, int64_t stride, int64_t words, int ro
 
 // The norm's weight per element, as normalize computes it: gamma, or 1 + gamma in fp32.
 template <typename T, NormWeight kWeight>
-void load_weight(const Word* __restrict gamma, int64_t words, float* __restrict split) {
+TPF_ROW_LOOP void load_weight(const Word* __restrict gamma, int64_t words,
+                              float* __restrict split) {
   for (int64_t k = 0; k < words; ++k) {
     for (int j = 0; j < kLanes<T>; ++j) {
       const float g = lane_value<T>(gamma[k], j);
@@ -189,8 +194,8 @@ void load_weight(const Word* __restrict gamma, int64_t words, float* __restrict 
 
 // normalize: (x * scale) * weight, rounded once.
 template <typename T>
-void normalize_row(const Word* __restrict rounded, const float* __restrict weight, float scale,
-                   int64_t words, Word* __restrict out) {
+TPF_ROW_LOOP void normalize_row(const Word* __restrict rounded, const float* __restrict weight,
+                                float scale, int64_t words, Word* __restrict out) {
   for (int64_t k = 0; k < words; ++k) {
     uint32_t word = 0;
     for (int j = 0; j < kLanes<T>; ++j) {
@@ -198,6 +203,73 @@ void normalize_row(const Word* __restrict rounded, const float* __restrict weigh
     }
     out[k] = word;
   }
+}
+
+// The row loops of one instruction set. On x86-64 they are built twice: for the baseline
+// (SSE2) and for AVX2, which a rank uses where the CPU has it (row_loops; TPFUSE_CPU_ISA=baseline
+// keeps the baseline). The same operations on wider vectors, and no FMA in either (nor any
+// contraction: the library is built with -ffp-contract=off): both give the same bits.
+template <typename T>
+struct RowLoops {
+  void (*widen)(const Word*, int64_t, float*);
+  void (*add_widened)(const Word*, int64_t, float*);
+  void (*round_row)(const float*, int64_t, Word*);
+  void (*square_row)(const Word*, int64_t, float*);
+  void (*load_weight[2])(const Word*, int64_t, float*);  // by NormWeight
+  void (*normalize_row)(const Word*, const float*, float, int64_t, Word*);
+};
+
+#define TPF_ROW_LOOPS_FOR(Name, attributes)                                                      \
+  template <typename T>                                                                          \
+  struct Name {                                                                                  \
+    attributes static void widen(const Word* x, int64_t words, float* split) {                   \
+      impl::widen<T>(x, words, split);                                                           \
+    }                                                                                            \
+    attributes static void add_widened(const Word* x, int64_t words, float* split) {             \
+      impl::add_widened<T>(x, words, split);                                                     \
+    }                                                                                            \
+    attributes static void round_row(const float* split, int64_t words, Word* out) {             \
+      impl::round_row<T>(split, words, out);                                                     \
+    }                                                                                            \
+    attributes static void square_row(const Word* rounded, int64_t words, float* squares) {      \
+      impl::square_row<T>(rounded, words, squares);                                              \
+    }                                                                                            \
+    attributes static void load_gamma(const Word* gamma, int64_t words, float* split) {          \
+      impl::load_weight<T, NormWeight::kGamma>(gamma, words, split);                             \
+    }                                                                                            \
+    attributes static void load_one_plus_gamma(const Word* gamma, int64_t words, float* split) { \
+      impl::load_weight<T, NormWeight::kOnePlusGamma>(gamma, words, split);                      \
+    }                                                                                            \
+    attributes static void normalize_row(const Word* rounded, const float* weight, float scale,  \
+                                         int64_t words, Word* out) {                             \
+      impl::normalize_row<T>(rounded, weight, scale, words, out);                                \
+    }                                                                                            \
+    static constexpr RowLoops<T> loops() {                                                       \
+      return {&widen,                                                                            \
+              &add_widened,                                                                      \
+              &round_row,                                                                        \
+              &square_row,                                                                       \
+              {&load_gamma, &load_one_plus_gamma},                                               \
+              &normalize_row};                                                                   \
+    }                                                                                            \
+  };
+
+TPF_ROW_LOOPS_FOR(BaselineLoops, )
+#if defined(__x86_64__)
+TPF_ROW_LOOPS_FOR(Avx2Loops, __attribute__((target("avx2"))))
+#endif
+
+template <typename T>
+const RowLoops<T>& row_loops() {
+  static const RowLoops<T> loops = [] {
+#if defined(__x86_64__)
+    const char* isa = std::getenv("TPFUSE_CPU_ISA");
+    const bool baseline = isa != nullptr && std::strcmp(isa, "baseline") == 0;
+    if (!baseline && __builtin_cpu_supports("avx2")) return Avx2Loops<T>::loops();
+#endif
+    return BaselineLoops<T>::loops();
+  }();
+  return loops;
 }
 
 // The FP8 output of one row from its normalized row (as stored in norm_out): the scale of the
@@ -266,7 +338,8 @@ class RowFinisher {
     if constexpr (Epilogue::kHasNorm) {
       squares_ = static_cast<float*>(scratch.squares.reserve(kGroupRows * size_t(n_) * 4));
       weight_ = static_cast<float*>(scratch.weight.reserve(size_t(n_) * sizeof(float)));
-      load_weight<T, Epilogue::kKind.weight>(static_cast<const Word*>(p.gamma), words_, weight_);
+      const int weight = Epilogue::kKind.weight == NormWeight::kOnePlusGamma ? 1 : 0;
+      loops_.load_weight[weight](static_cast<const Word*>(p.gamma), words_, weight_);
       if constexpr (Epilogue::kHasQuant) {
         normalized_ = static_cast<Word*>(scratch.normalized.reserve(row_bytes_));
       }
@@ -281,14 +354,14 @@ class RowFinisher {
   void finish(int64_t token, OnRounded&& on_rounded) {
     Word* const rounded = rounded_ + size_t(rows_) * size_t(words_);
     if constexpr (Epilogue::kHasResidual) {
-      add_widened<T>(row_of(p_.residual, token), words_, sum_);
+      loops_.add_widened(row_of(p_.residual, token), words_, sum_);
     }
-    round_row<T>(sum_, words_, rounded);
+    loops_.round_row(sum_, words_, rounded);
     void* destination = Epilogue::kHasNorm ? p_.residual_out : p_.norm_out;
     if (destination != nullptr) std::memcpy(row_of(destination, token), rounded, row_bytes_);
     on_rounded(static_cast<const void*>(rounded));
     if constexpr (Epilogue::kHasNorm) {
-      square_row<T>(rounded, words_, squares_ + size_t(rows_) * size_t(n_));
+      loops_.square_row(rounded, words_, squares_ + size_t(rows_) * size_t(n_));
       tokens_[rows_] = token;
       if (++rows_ == kGroupRows) flush();
     }
@@ -306,7 +379,7 @@ class RowFinisher {
       for (int r = 0; r < rows_; ++r) {
         const float scale = rms_scale(sums[r], p_.hidden, p_.eps);
         Word* const out = Epilogue::kHasQuant ? normalized_ : row_of(p_.norm_out, tokens_[r]);
-        normalize_row<T>(rounded_ + size_t(r) * size_t(words_), weight_, scale, words_, out);
+        loops_.normalize_row(rounded_ + size_t(r) * size_t(words_), weight_, scale, words_, out);
         if constexpr (Epilogue::kHasQuant) {
           std::memcpy(row_of(p_.norm_out, tokens_[r]), out, row_bytes_);
           quantize_row<T>(out, p_, tokens_[r]);
@@ -326,6 +399,7 @@ class RowFinisher {
   }
 
   const RowCall& p_;
+  const RowLoops<T>& loops_ = row_loops<T>();
   const int64_t n_;
   const int64_t words_;
   const size_t row_bytes_;
@@ -347,6 +421,7 @@ void receive_row(const CpuSession& session, CpuCall& call, const RowCall& p, siz
   const Exchange& x = p.exchange;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   void* const packets = row_scratch().packets.reserve(row_bytes);
+  const RowLoops<T>& loops = row_loops<T>();
   for (int r = 0; r < x.world_size; ++r) {
     if (r == x.rank) {
       copy_rewritten(own, row_bytes, packets);
@@ -354,9 +429,9 @@ void receive_row(const CpuSession& session, CpuCall& call, const RowCall& p, siz
       poll_packets(session.receive_region(x, r) + offset, row_bytes, call, r, packets);
     }
     if (r == 0) {
-      widen<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
+      loops.widen(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
     } else {
-      add_widened<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
+      loops.add_widened(static_cast<const Word*>(packets), p.hidden / kLanes<T>, sum);
     }
   }
 }
@@ -452,7 +527,7 @@ void twoshot(const RowCall& p) {
     const char* base = session.receive_region(x, owner);
     for (int64_t local = 0; local < layout.count(owner); ++local) {
       poll_packets(base + layout.gather_row(local, row_bytes), row_bytes, call, owner, packets);
-      widen<T>(static_cast<const Word*>(packets), p.hidden / kLanes<T>, finisher.sum());
+      row_loops<T>().widen(static_cast<const Word*>(packets), p.hidden / kLanes<T>, finisher.sum());
       finisher.finish(layout.begin(owner) + local);
     }
   }
@@ -465,8 +540,8 @@ template <typename T, typename Epilogue>
 void local_epilogue(const RowCall& p) {
   RowFinisher<T, Epilogue> finisher(p, row_scratch());
   for (int64_t token = 0; token < p.tokens; ++token) {
-    widen<T>(static_cast<const Word*>(p.input) + token * (p.hidden / kLanes<T>),
-             p.hidden / kLanes<T>, finisher.sum());
+    row_loops<T>().widen(static_cast<const Word*>(p.input) + token * (p.hidden / kLanes<T>),
+                         p.hidden / kLanes<T>, finisher.sum());
     finisher.finish(token);
   }
   finisher.flush();

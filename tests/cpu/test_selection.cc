@@ -62,16 +62,23 @@ TEST(SelectionTable, BuiltInTableMatchesDeviceWorldAndSize) {
   EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 4, 6144), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 1024), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 64u << 20), Algorithm::kNccl);
+  // CPU teams (device "cpu"): one-shot for one token, two-shot for large messages.
+  for (const int world : {2, 4, 8}) {
+    EXPECT_EQ(impl::table_algorithm("cpu", world, 6144), Algorithm::kOneShot) << world;
+    EXPECT_EQ(impl::table_algorithm("cpu", world, 4u << 20), Algorithm::kTwoShot) << world;
+  }
 }
 
 TEST(TeamChoose, FallsBackToWhatCarriesTheMessage) {
   TeamOptions options;
   options.packet_bytes = 1 << 20;
   const std::vector<Team> team = create_cpu_team(4, options);
-  // 1 token of 3072 bf16: the table's one-shot.
+  // 1 token of 3072 bf16: the CPU rows' one-shot.
   EXPECT_EQ(team[0].choose(1, 3072, DType::kBFloat16), Algorithm::kOneShot);
-  // 1 MiB + 1 row: over one-shot's capacity; the table says NCCL beyond 1 MiB anyway.
-  EXPECT_EQ(team[0].choose(171, 3072, DType::kBFloat16), Algorithm::kNccl);
+  // 1 MiB + 1 row: over one-shot's capacity; the CPU rows say two-shot for large messages.
+  EXPECT_EQ(team[0].choose(171, 3072, DType::kBFloat16), Algorithm::kTwoShot);
+  // Over two-shot's capacity too: the NCCL path's stand-in.
+  EXPECT_EQ(team[0].choose(341, 3072, DType::kBFloat16), Algorithm::kNccl);
   // Forced algorithms run as asked, within their capacity.
   EXPECT_EQ(team[0].choose(1, 3072, DType::kBFloat16, Algorithm::kTwoShot), Algorithm::kTwoShot);
   EXPECT_EQ(team[0].choose(5000, 3072, DType::kBFloat16, Algorithm::kNccl), Algorithm::kNccl);
