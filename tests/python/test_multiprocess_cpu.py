@@ -2,7 +2,8 @@
 sizes 2, 4 and 8, the team from ``Team.from_group`` (the CPU backend over shared memory). Each
 rank checks the ops against float64 and against every other rank's bits, then compiles a layer
 written as TP model code writes it (all-reduce + add + RMSNorm, MiniMax-M2's QK norm over KV heads
-replicated when they are fewer than the ranks, its partial RoPE) with the passes installed: every
+replicated when they are fewer than the ranks, its partial RoPE, a MoE block's combine before its
+all-reduce and the norm after it quantized to FP8 per group of 128) with the passes installed: every
 site rewritten, no all-reduce left, outputs close to the eager unfused layer's, the residual stream
 identical on every rank and k identical on the ranks that hold the same KV head. The team outlives
 its group; bad groups and backends are named."""
@@ -23,10 +24,15 @@ from spawned_ranks import run_ranks  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, HIDDEN, TOKENS = 8, 2, 64, 32, 256, 5
 
 
-def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache):
-    """One collective site of each kind, as a TP model writes it (the GPU test's layer)."""
+def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache,
+           rows, routing):
+    """One collective site of each kind, as a TP model writes it (the GPU test's layer, and a MoE
+    block's: its top-k rows combined, all-reduced, added, normalized and quantized to FP8 per
+    group of 128 for the next FP8 GEMM)."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+
+    import tpfuse.passes
 
     residual = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
     hf = residual.float()
@@ -42,7 +48,12 @@ def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world,
     q = (qf * torch.rsqrt(q_var + 1e-6) * q_weight).to(qkv.dtype)
     k = (kf * torch.rsqrt(k_var + 1e-6) * k_weight).to(qkv.dtype)
     q, k = rope(positions, q, k, cache, HEAD_DIM, ROTARY_DIM)
-    return h, residual, q, k
+    partial = (rows.float() * routing.unsqueeze(-1)).sum(1).to(rows.dtype)
+    moe_residual = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+    hf = moe_residual.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(residual.dtype) * weight
+    q8, scales = tpfuse.passes.quant_fp8_group(n)
+    return h, residual, q, k, n, moe_residual, q8, scales
 
 
 def _gathered(tensor, world):
@@ -93,6 +104,18 @@ def _check_ops(team, rank, world):
     assert torch.equal(scales, expected_scales)
     for other in _gathered(quant_out.view(torch.uint8), world):
         assert torch.equal(other, quant_out.view(torch.uint8)), "FP8 bytes differ across ranks"
+    # The MoE finalize: every algorithm gives the plain op's bits on torch's combine.
+    rows = torch.randn(TOKENS, 3, HIDDEN, generator=generator).to(torch.bfloat16)
+    routing = torch.rand(TOKENS, 3, generator=generator)
+    products = rows.float() * routing.unsqueeze(-1)
+    combined = (products[:, 0] + products[:, 1] + products[:, 2]).to(torch.bfloat16)
+    for algorithm in ("oneshot", "twoshot", "nccl"):
+        fused = tpfuse.allreduce_moe_finalize_add_rmsnorm(team, rows, routing, residual, weight,
+                                                          1e-6, algorithm=algorithm)
+        plain = tpfuse.allreduce_add_rmsnorm(team, combined, residual, weight, 1e-6, algorithm)
+        assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1]), algorithm
+        for other in _gathered(fused[0], world):
+            assert torch.equal(other, fused[0]), f"{algorithm}: ranks' MoE norms differ"
     dist.barrier()
 
 
@@ -125,8 +148,10 @@ def _check_compiled_layer(team, rank, world):
     positions = torch.randint(0, 1000, (TOKENS,), generator=generator)
     angles = torch.rand(1000, ROTARY_DIM // 2, generator=generator) * 6.28
     cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    rows = torch.randn(world, TOKENS, 4, HIDDEN, generator=generator)[rank].to(torch.bfloat16)
+    routing = torch.rand(world, TOKENS, 4, generator=generator)[rank] / 2
     args = (inputs[rank].to(torch.bfloat16), residual, weight, qkv, q_weight, k_weight, q_size,
-            kv_size, world, positions, cache)
+            kv_size, world, positions, cache, rows, routing)
     eager = _layer(*args)
     fusion = passes.install(team)
     try:
@@ -134,15 +159,29 @@ def _check_compiled_layer(team, rank, world):
         got = torch.compile(_layer, fullgraph=True)(*args)
     finally:
         passes.uninstall()
-    assert fusion.stats == {"allreduce_add_rmsnorm": 1, "allreduce_qk_rmsnorm": 1,
-                            "allreduce_qk_rmsnorm_rope": 1}, fusion.stats
+    rewrites = {name: count for name, count in fusion.stats.items() if count}
+    assert rewrites == {"allreduce_add_rmsnorm": 1, "allreduce_qk_rmsnorm": 1,
+                        "allreduce_qk_rmsnorm_rope": 1, "allreduce_moe_finalize_add_rmsnorm": 1,
+                        "allreduce_add_rmsnorm_fp8_group128": 1}, fusion.stats
     (graph,) = fusion.graphs
-    assert graph["before"].count("_c10d_functional.all_reduce.default") == 2, graph["before"]
+    assert graph["before"].count("_c10d_functional.all_reduce.default") == 3, graph["before"]
     assert "_c10d_functional.all_reduce.default" not in graph["after"], graph["after"]
-    for g, e in zip(got, eager):
+    assert "tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default" in graph["after"]
+    for g, e in zip(got[:6], eager[:6]):
         torch.testing.assert_close(g.float(), e.float(), atol=4e-2, rtol=4e-2)
-    h, residual_out, q, k = got
-    for name, tensor in (("h", h), ("residual", residual_out)):
+    # FP8: close to the eager layer's (its norm may differ in the last bits: the combine is summed
+    # in another order, and a sum near zero makes that large), and
+    # exactly the torch quantization of the compiled layer's own norm.
+    h, residual_out, q, k, n, moe_residual, q8, scales = got
+    want_q8, want_scales = passes.quant_fp8_group(n)
+    assert torch.equal(q8.view(torch.uint8), want_q8.view(torch.uint8))
+    assert torch.equal(scales, want_scales)
+    dequantized = (q8.float().unflatten(-1, (-1, 128)) * scales).flatten(-2)
+    eager_dequantized = (eager[6].float().unflatten(-1, (-1, 128)) * eager[7]).flatten(-2)
+    torch.testing.assert_close(dequantized, eager_dequantized, atol=4e-2, rtol=0.13)
+    for name, tensor in (("h", h), ("residual", residual_out), ("MoE norm", n),
+                         ("MoE residual", moe_residual), ("FP8 output", q8.view(torch.uint8)),
+                         ("FP8 scales", scales)):
         for other in _gathered(tensor, world):
             assert torch.equal(other, tensor), f"the compiled layer's {name} differs across ranks"
     replicas = max(1, world // KV_HEADS)
