@@ -196,6 +196,11 @@ class Tpfuse(_Gather, Collectives):
     def add_rms_norm(self, partial, residual, weight, eps):
         return self.ops.allreduce_add_rmsnorm(self.team, partial, residual, weight, eps)
 
+    def moe_add_rms_norm(self, rows, weights, residual, weight, eps):
+        # The MoE combine in the all-reduce's kernel (its sum in expert order).
+        return self.ops.allreduce_moe_finalize_add_rmsnorm(self.team, rows, weights, residual,
+                                                           weight, eps)
+
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
         q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
         return self.ops.allreduce_qk_rmsnorm(

@@ -169,11 +169,12 @@ def rope(positions, q, k, cos_sin, head_dim, rotary_dim):
     return rotate(q), rotate(k)
 
 
-def moe(h: torch.Tensor, w: dict, config: Config, grouped: bool) -> torch.Tensor:
-    """This rank's partial MoE output (sum over ranks = the layer's). Sigmoid scores, top-k by
-    score + bias, weights normalized over the k; the experts through torch's grouped GEMM
-    (`grouped`) or, for small batches, gathered per (token, expert) pair. The k expert outputs of
-    a token are summed in a fixed order (deterministic)."""
+def moe_experts(h: torch.Tensor, w: dict, config: Config,
+                grouped: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's top-k expert outputs [tokens, k, hidden] (h's dtype) and their routing weights
+    [tokens, k] (fp32): sigmoid scores, top-k by score + bias, weights normalized over the k; the
+    experts through torch's grouped GEMM (`grouped`) or, for small batches, gathered per (token,
+    expert) pair. Their combine (`moe_combine`) is the rank's partial MoE output."""
     tokens = h.shape[0]
     k = config.top_k
     scores = (h.float() @ w["router"]).sigmoid()
@@ -198,8 +199,17 @@ def moe(h: torch.Tensor, w: dict, config: Config, grouped: bool) -> torch.Tensor
         up = torch.bmm(rows, w["w13"].index_select(0, flat).transpose(-2, -1))
         gate, lin = up.chunk(2, dim=-1)
         out = torch.bmm(F.silu(gate) * lin, w["w2"].index_select(0, flat).transpose(-2, -1))
-    out = out.view(tokens, k, -1).float() * weights.unsqueeze(-1)
-    return out.sum(1).to(h.dtype)
+    return out.view(tokens, k, -1), weights
+
+
+def moe_combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routing-weighted sum of a token's k expert outputs, in fp32, rounded once."""
+    return (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+
+
+def moe(h: torch.Tensor, w: dict, config: Config, grouped: bool) -> torch.Tensor:
+    """This rank's partial MoE output (sum over ranks = the layer's)."""
+    return moe_combine(*moe_experts(h, w, config, grouped))
 
 
 class Collectives:
@@ -210,6 +220,10 @@ class Collectives:
     def add_rms_norm(self, partial, residual, weight, eps) -> Tuple[torch.Tensor, torch.Tensor]:
         """(norm, residual): all-reduce of `partial`, + residual, RMSNorm."""
         raise NotImplementedError
+
+    def moe_add_rms_norm(self, rows, weights, residual, weight, eps):
+        """add_rms_norm of the MoE combine of `rows` [tokens, k, hidden] by `weights`."""
+        return self.add_rms_norm(moe_combine(rows, weights), residual, weight, eps)
 
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
         """(q, k): the QK norm over all heads (an all-reduce of the sums of squares), then RoPE."""
@@ -242,8 +256,8 @@ def layer_forward(h, residual, w, next_norm, layer_cache, slot, positions, cos_s
     partial = attention(h, w, layer_cache, slot, positions, cos_sin, collectives, config, local,
                         world)
     h, residual = collectives.add_rms_norm(partial, residual, w["post_norm"], config.eps)
-    partial = moe(h, w, config, grouped)
-    return collectives.add_rms_norm(partial, residual, next_norm, config.eps)
+    rows, weights = moe_experts(h, w, config, grouped)
+    return collectives.moe_add_rms_norm(rows, weights, residual, next_norm, config.eps)
 
 
 class Decoder:
