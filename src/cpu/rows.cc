@@ -205,6 +205,35 @@ TPF_ROW_LOOP void normalize_row(const Word* __restrict rounded, const float* __r
   }
 }
 
+// The FP8 output's steps over a row of normalized words. row_amax: vector_amax folded with fmaxf
+// from 0, as the bits of the magnitudes (for floats of one sign, the order of their bits is the
+// order of their values) with a NaN as 0: a NaN never wins, and max is exact in any order.
+// quantize_words: quantize_vector's bytes, element by element.
+template <typename T>
+TPF_ROW_LOOP float row_amax(const Word* __restrict x, int64_t words) {
+  uint32_t most = 0;
+  for (int64_t k = 0; k < words; ++k) {
+    uint32_t in_word = 0;
+    for (int j = 0; j < kLanes<T>; ++j) {
+      const uint32_t magnitude = float_bits(lane_value<T>(x[k], j)) & 0x7fffffffu;
+      const uint32_t value = magnitude > 0x7f800000u ? 0u : magnitude;
+      in_word = value > in_word ? value : in_word;
+    }
+    most = in_word > most ? in_word : most;  // one reduction step a word: it vectorizes
+  }
+  return bits_float(most);
+}
+
+template <typename T>
+TPF_ROW_LOOP void quantize_words(const Word* __restrict x, int64_t words, float scale,
+                                 uint8_t* __restrict out) {
+  for (int64_t k = 0; k < words; ++k) {
+    for (int j = 0; j < kLanes<T>; ++j) {
+      out[k * kLanes<T> + j] = fp8_e4m3_from_float(lane_value<T>(x[k], j) / scale).bits;
+    }
+  }
+}
+
 // The row loops of one instruction set. On x86-64 they are built twice: for the baseline
 // (SSE2) and for AVX2, which a rank uses where the CPU has it (row_loops; TPFUSE_CPU_ISA=baseline
 // keeps the baseline). The same operations on wider vectors, and no FMA in either (nor any
@@ -217,6 +246,8 @@ struct RowLoops {
   void (*square_row)(const Word*, int64_t, float*);
   void (*load_weight[2])(const Word*, int64_t, float*);  // by NormWeight
   void (*normalize_row)(const Word*, const float*, float, int64_t, Word*);
+  float (*amax)(const Word*, int64_t);
+  void (*quantize)(const Word*, int64_t, float, uint8_t*);
 };
 
 #define TPF_ROW_LOOPS_FOR(Name, attributes)                                                      \
@@ -244,13 +275,21 @@ struct RowLoops {
                                          int64_t words, Word* out) {                             \
       impl::normalize_row<T>(rounded, weight, scale, words, out);                                \
     }                                                                                            \
+    attributes static float amax(const Word* x, int64_t words) {                                 \
+      return impl::row_amax<T>(x, words);                                                        \
+    }                                                                                            \
+    attributes static void quantize(const Word* x, int64_t words, float scale, uint8_t* out) {   \
+      impl::quantize_words<T>(x, words, scale, out);                                             \
+    }                                                                                            \
     static constexpr RowLoops<T> loops() {                                                       \
       return {&widen,                                                                            \
               &add_widened,                                                                      \
               &round_row,                                                                        \
               &square_row,                                                                       \
               {&load_gamma, &load_one_plus_gamma},                                               \
-              &normalize_row};                                                                   \
+              &normalize_row,                                                                    \
+              &amax,                                                                             \
+              &quantize};                                                                        \
     }                                                                                            \
   };
 
@@ -276,44 +315,27 @@ const RowLoops<T>& row_loops() {
 // call, of the token or of each group of kQuantGroupSize elements (epilogue.h's steps, the same
 // as the GPU's).
 template <typename T>
-void quantize_row(const void* normalized, const RowCall& p, int64_t token) {
-  constexpr int64_t kElements = Packed<T>::kElements;
-  const int64_t vectors = p.hidden / kElements;
+void quantize_row(const RowLoops<T>& loops, const Word* normalized, const RowCall& p,
+                  int64_t token) {
+  const int64_t words = p.hidden / kLanes<T>;
   uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
-  const auto vector = [&](int64_t v) {
-    Vec16 packed;
-    std::memcpy(&packed, static_cast<const char*>(normalized) + v * 16, 16);
-    return packed;
-  };
-  const auto store = [&](int64_t v, float scale) {
-    const QuantBytes<T> bytes = quantize_vector<T>(vector(v), scale);
-    std::memcpy(out + v * kElements, bytes.bytes, kElements);
-  };
   switch (p.quant) {
-    case QuantMode::kStatic: {
-      const float scale = *p.quant_scale;
-      for (int64_t v = 0; v < vectors; ++v) store(v, scale);
+    case QuantMode::kStatic:
+      loops.quantize(normalized, words, *p.quant_scale, out);
       break;
-    }
     case QuantMode::kPerToken: {
-      float amax = 0.0f;
-      for (int64_t v = 0; v < vectors; ++v) amax = fmaxf(amax, vector_amax<T>(vector(v)));
-      const float scale = dynamic_scale(amax);
+      const float scale = dynamic_scale(loops.amax(normalized, words));
       p.scales_out[token] = scale;
-      for (int64_t v = 0; v < vectors; ++v) store(v, scale);
+      loops.quantize(normalized, words, scale, out);
       break;
     }
     case QuantMode::kPerTokenGroup128: {
-      const int64_t per_group = kQuantGroupSize / kElements;
+      const int64_t per_group = kQuantGroupSize / kLanes<T>;
       const int64_t groups = p.hidden / kQuantGroupSize;
       for (int64_t g = 0; g < groups; ++g) {
-        float amax = 0.0f;
-        for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) {
-          amax = fmaxf(amax, vector_amax<T>(vector(v)));
-        }
-        const float scale = dynamic_scale(amax);
+        const float scale = dynamic_scale(loops.amax(normalized + g * per_group, per_group));
         p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] = scale;
-        for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) store(v, scale);
+        loops.quantize(normalized + g * per_group, per_group, scale, out + g * kQuantGroupSize);
       }
       break;
     }
@@ -382,7 +404,7 @@ class RowFinisher {
         loops_.normalize_row(rounded_ + size_t(r) * size_t(words_), weight_, scale, words_, out);
         if constexpr (Epilogue::kHasQuant) {
           std::memcpy(row_of(p_.norm_out, tokens_[r]), out, row_bytes_);
-          quantize_row<T>(out, p_, tokens_[r]);
+          quantize_row<T>(loops_, out, p_, tokens_[r]);
         }
       }
       rows_ = 0;

@@ -71,7 +71,8 @@ TEST(Numeric, RoundsToNearestEven) {
 }
 
 // The host conversions as they were first written, with branches; numeric.h's are selects (so
-// that loops over them vectorize) and must give the same bits for every input.
+// that loops over them vectorize) and must give the same bits for every input. (E4M3's branchy
+// form stays in numeric.h: the GPU test compares the hardware conversion with it.)
 float branchy_to_float(Float16 x) {
   const uint32_t sign = uint32_t(x.bits & 0x8000u) << 16;
   const uint32_t exponent = (x.bits >> 10) & 0x1fu;
@@ -125,14 +126,19 @@ TEST(Numeric, HostConversionsGiveTheBranchyFormsBitsForEveryInput) {
   constexpr uint32_t kBlock = 1u << 16;
   std::vector<float> x(kBlock);
   std::vector<uint16_t> bf16(kBlock), fp16(kBlock);
+  std::vector<uint8_t> e4m3(kBlock);
   for (uint64_t first = 0; first < (uint64_t(1) << 32); first += kBlock) {
     for (uint32_t i = 0; i < kBlock; ++i) x[i] = bits_float(uint32_t(first + i));
     for (uint32_t i = 0; i < kBlock; ++i) bf16[i] = from_float<BFloat16>(x[i]).bits;
     for (uint32_t i = 0; i < kBlock; ++i) fp16[i] = from_float<Float16>(x[i]).bits;
+    for (uint32_t i = 0; i < kBlock; ++i) e4m3[i] = fp8_e4m3_from_float(x[i]).bits;
     for (uint32_t i = 0; i < kBlock; ++i) {
-      if (bf16[i] != branchy_bfloat16(x[i]) || fp16[i] != branchy_float16(x[i])) {
+      if (bf16[i] != branchy_bfloat16(x[i]) || fp16[i] != branchy_float16(x[i]) ||
+          e4m3[i] != fp8_e4m3_from_float_software(x[i]).bits) {
         FAIL() << std::hex << "fp32 " << float_bits(x[i]) << ": bf16 " << bf16[i] << " vs "
-               << branchy_bfloat16(x[i]) << ", fp16 " << fp16[i] << " vs " << branchy_float16(x[i]);
+               << branchy_bfloat16(x[i]) << ", fp16 " << fp16[i] << " vs " << branchy_float16(x[i])
+               << ", e4m3 " << int(e4m3[i]) << " vs "
+               << int(fp8_e4m3_from_float_software(x[i]).bits);
       }
     }
   }

@@ -2,9 +2,9 @@
 //
 // Conversions round to nearest even. On the device they are the hardware instructions; on the
 // host they are bit-exact software versions, so the CPU backend rounds the same way (NaN payloads
-// aside: any NaN stays a NaN). The host versions are written as selects, without branches: the CPU
-// backend's loops over rows of them vectorize (tests/cpu/test_numeric.cc holds them to the
-// branchy forms they replaced, over every input).
+// aside: any NaN stays a NaN). The host versions are written without branches (selects and
+// masks): the CPU backend's loops over rows of them vectorize (tests/cpu/test_numeric.cc holds
+// them to the branchy forms they replaced, over every input).
 #pragma once
 
 #include <cstdint>
@@ -69,7 +69,12 @@ TPF_HOST_DEVICE float to_float(Float16 x) {
   // Zero or subnormal half: mantissa * 2^-24, exact in fp32.
   const uint32_t small = sign | float_bits(float(int32_t(mantissa)) * 5.9604644775390625e-8f);
   const uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-  return bits_float(exponent == 0x1fu ? special : exponent == 0 ? small : normal);
+  // Masks, not selects: with a select the compiler moves the float multiply into a branch of its
+  // own (it may not speculate a float operation), and a loop of these would not vectorize.
+  const uint32_t is_special = 0u - uint32_t(exponent == 0x1fu);
+  const uint32_t is_small = 0u - uint32_t(exponent == 0);
+  const uint32_t finite = (is_small & small) | (~is_small & normal);
+  return bits_float((is_special & special) | (~is_special & finite));
 #endif
 }
 
@@ -110,10 +115,13 @@ TPF_HOST_DEVICE Float16 from_float<Float16>(float x) {
   // 0.5, whose ulp is 2^-24, is that rounding (round-to-nearest-even, the default mode every fp32
   // add here runs in); fp32 subnormals give 0 whether or not they are flushed.
   const uint32_t small = float_bits(bits_float(magnitude) + 0.5f) - 0x3f000000u;
-  const uint32_t result = magnitude > 0x7f800000u    ? 0x7e00u  // NaN
-                          : magnitude >= 0x477ff000u ? 0x7c00u  // rounds to Inf
-                          : magnitude < 0x38800000u  ? small
-                                                     : normal;
+  // Masks, not selects (as in to_float above).
+  const uint32_t is_small = 0u - uint32_t(magnitude < 0x38800000u);
+  const uint32_t is_infinite = 0u - uint32_t(magnitude >= 0x477ff000u);  // rounds to Inf
+  const uint32_t is_nan = 0u - uint32_t(magnitude > 0x7f800000u);
+  uint32_t result = (is_small & small) | (~is_small & normal);
+  result = (is_infinite & 0x7c00u) | (~is_infinite & result);
+  result = (is_nan & 0x7e00u) | (~is_nan & result);
   return Float16{uint16_t(sign | result)};
 #endif
 }
@@ -171,6 +179,28 @@ TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float_software(float x) {
   return Fp8E4M3{uint8_t(sign | (rounded >> 20))};
 }
 
+// The software form without branches: the host's conversion (tests/cpu/test_numeric.cc holds it
+// to the software form over every fp32). Masks rather than selects: with a select the compiler
+// moves the fp32 add into a branch of its own (it may not speculate a float operation), and a
+// loop of these would not vectorize.
+inline Fp8E4M3 fp8_e4m3_from_float_host(float x) {
+  const uint32_t u = float_bits(x);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t magnitude = u & 0x7fffffffu;
+  const uint32_t rebased = magnitude - (120u << 23);
+  const uint32_t normal = (rebased + 0x7ffffu + ((rebased >> 20) & 1u)) >> 20;
+  // Below 2^-6: value / 2^-9 rounded to nearest even, as adding 2^14 (whose ulp is 2^-9) rounds
+  // it (round-to-nearest-even, the default mode every fp32 add here runs in).
+  const uint32_t small = float_bits(bits_float(magnitude) + 16384.0f) - 0x46800000u;
+  const uint32_t below = 0u - uint32_t(magnitude < 0x3c800000u);
+  const uint32_t saturated = 0u - uint32_t(magnitude >= 0x43e80000u);
+  const uint32_t nan = 0u - uint32_t(magnitude > 0x7f800000u);
+  uint32_t result = sign | (below & small) | (~below & normal);
+  result = (saturated & (sign | 0x7eu)) | (~saturated & result);
+  result = (nan & kFp8E4M3NaN) | (~nan & result);
+  return Fp8E4M3{uint8_t(result)};
+}
+
 // The conversion the epilogues use: the hardware instruction on the device
 // (cvt.rn.satfinite.e4m3x2.f32, NaN made 0x7f as the software form gives it), the software form
 // on the host; the same bits for every fp32.
@@ -179,7 +209,7 @@ TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float(float x) {
   if (x != x) return Fp8E4M3{kFp8E4M3NaN};
   return Fp8E4M3{uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3))};
 #else
-  return fp8_e4m3_from_float_software(x);
+  return fp8_e4m3_from_float_host(x);
 #endif
 }
 
