@@ -42,8 +42,9 @@ def parse(path):
         m = re.search(r"Compiling entry function '(\S+)'", line)
         if m:
             name = drop_anonymous_namespace(m.group(1)); spill = 0
-            # An epilogue without an FP8 output names its kQuant = false since that parameter
-            # came: the same kernel as before it.
+            # An epilogue without the MoE finalize names its kMoe = false, and one without an FP8
+            # output its kQuant = false, since those parameters came: the same kernel as before.
+            name = re.sub(r"(NormWeightE\d)ELb([01])ELb0EE", r"\1ELb\2EE", name)
             name = re.sub(r"(NormWeightE\d)ELb0E", r"\1E", name)
             continue
         m = re.search(r"(\d+) bytes spill stores", line)
