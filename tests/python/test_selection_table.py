@@ -1,6 +1,7 @@
-"""bench/selection_table.py: the committed selection table is what the tool derives from the run
+"""bench/selection_table.py: the committed selection table is what the tool derives from the runs
 it names, and the tool's rules (fastest per size, ties to the simpler algorithm, runs merged,
-NCCL past the measured sizes, merging a new GPU's rows ahead of the wildcard rows)."""
+NCCL past the measured sizes on a GPU and the last winner on the CPU, merging a new GPU's rows
+ahead of the wildcard rows)."""
 
 import os
 import re
@@ -27,19 +28,71 @@ def data_rows(text):
 
 
 class SelectionTable(unittest.TestCase):
-    def test_the_committed_table_is_derived_from_the_run_it_names(self):
-        with open(os.path.join(ROOT, "data", "algorithms.csv")) as file:
-            table = file.read()
-        named = re.search(r"\((bench/results/[^)]+\.json)\)", table.replace("\n# ", " "))
-        self.assertIsNotNone(named, "the table names no results file")
+    def test_the_committed_table_is_derived_from_the_runs_it_names(self):
         import json
 
-        with open(os.path.join(ROOT, named.group(1))) as file:
-            records = json.load(file)
-        sizes = selection_table.measurements(records)[("NVIDIA H200", 2)]
-        derived = selection_table.table_rows("NVIDIA H200", 2, selection_table.rows(sizes))
-        committed = [row for row in data_rows(table) if row.startswith("NVIDIA H200,2,")]
-        self.assertEqual(committed, derived)
+        with open(os.path.join(ROOT, "data", "algorithms.csv")) as file:
+            lines = file.read().splitlines()
+        # The blocks the tool wrote: a comment naming its run, then the rows of one device and
+        # world size.
+        blocks, comments, rows = [], [], []
+        for line in lines[lines.index(selection_table.HEADER) + 1:]:
+            if line.startswith("#"):
+                if rows:
+                    blocks.append((comments, rows))
+                    comments, rows = [], []
+                comments.append(line[1:].strip())
+            elif line.strip():
+                rows.append(line)
+        blocks.append((comments, rows))
+        derived = [(" ".join(c), r) for c, r in blocks
+                   if any("Rows by bench/selection_table.py" in line for line in c)]
+        groups = {tuple(r[0].split(",")[:2]) for _, r in derived}
+        self.assertIn(("NVIDIA H200", "2"), groups)
+        self.assertIn(("cpu", "2"), groups)
+        for note, committed in derived:
+            named = re.search(r"\((bench/results/[^)]+\.json)\)", note)
+            self.assertIsNotNone(named, f"no results file named above {committed[0]}")
+            with open(os.path.join(ROOT, named.group(1))) as file:
+                records = json.load(file)
+            device, world = committed[0].split(",")[:2]
+            sizes = selection_table.measurements(records)[(device, int(world))]
+            self.assertEqual(committed, selection_table.table_rows(
+                device, int(world), selection_table.device_rows(device, sizes)))
+
+    def test_cpu_runs_give_rows_for_the_cpu_device_without_nccl(self):
+        def cpu_record(world, tokens, impl, us):
+            return {"op": "allreduce_add_rmsnorm", "impl": impl, "gpu": "cpu", "world_size": world,
+                    "tokens": tokens, "hidden": 1024, "dtype": "bf16", "us": us,
+                    "backend": "cpu", "host_cpu": "Some CPU", "commit": "abc",
+                    "date": "2026-01-01", "method": "threads"}
+
+        # tokens: one-shot, two-shot, one-shot again (noise: still two-shot), two-shot.
+        records = [cpu_record(4, 1, "tpfuse_oneshot_cpu", 10.0),
+                   cpu_record(4, 1, "tpfuse_twoshot_cpu", 15.0),
+                   cpu_record(4, 8, "tpfuse_oneshot_cpu", 60.0),
+                   cpu_record(4, 8, "tpfuse_twoshot_cpu", 50.0),
+                   cpu_record(4, 16, "tpfuse_oneshot_cpu", 100.0),
+                   cpu_record(4, 16, "tpfuse_twoshot_cpu", 110.0),
+                   cpu_record(4, 64, "tpfuse_oneshot_cpu", 300.0),
+                   cpu_record(4, 64, "tpfuse_twoshot_cpu", 200.0),
+                   # a GPU run's CPU-named impl, and a CPU run's GPU-named one: neither counts
+                   record("GPU X", 4, 1, "tpfuse_oneshot_cpu", 1.0),
+                   dict(cpu_record(4, 1, "tpfuse_oneshot", 1.0))]
+        groups = selection_table.measurements(records)
+        self.assertEqual(set(groups), {("cpu", 4)})
+        # One crossover, at the first size two-shot wins; never NCCL (a CPU team's NCCL path is
+        # a stand-in).
+        self.assertEqual(selection_table.device_rows("cpu", groups[("cpu", 4)]),
+                         [(2048, "oneshot"), (None, "twoshot")])
+        self.assertEqual(selection_table.cpu_rows({1: {"oneshot": 1.0, "twoshot": 2.0}}),
+                         [(None, "oneshot")])
+        self.assertEqual(selection_table.cpu_rows({1: {"oneshot": 2.0, "twoshot": 1.0}}),
+                         [(None, "twoshot")])
+        note = selection_table.note(records, "cpu", 4, groups[("cpu", 4)], "run.json")
+        self.assertIn("CPU teams (Some CPU), 4 ranks", " ".join(note))
+        columns = next(line for line in note if line.startswith("#   bytes"))
+        self.assertNotIn("nccl", columns)
 
     def test_fastest_per_size_ties_to_the_simpler_runs_merged_nccl_beyond(self):
         records = []
