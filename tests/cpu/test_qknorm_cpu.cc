@@ -313,7 +313,8 @@ TEST(CpuQkNormDisagreement, EveryRankNamesThePeerAndTheField) {
       {"tokens: 2 here, 1 on rank 1", [](QkNormArgs& a) { a.tokens = 1; }},
       {"the width (hidden, or q_global_size): 512 here, 1024 on rank 1",
        [](QkNormArgs& a) { a.q_global_size = 1024; }},
-      {"(or, for the QK norm, k_global_size", [](QkNormArgs& a) { a.k_global_size = 512; }},
+      {"eps or the MoE top-k (or, for the QK norm, k_global_size",
+       [](QkNormArgs& a) { a.k_global_size = 512; }},
       {"dtype: bfloat16 here, float16 on rank 1", [](QkNormArgs& a) { a.dtype = DType::kFloat16; }},
   };
   alignas(16) static uint16_t qkv[2][4096], gamma[1024];
