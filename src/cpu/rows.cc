@@ -5,14 +5,16 @@
 // norm of tpfuse/impl/epilogue.h.
 //
 // Rows, not vectors: packets move a row at a time (store_packets, poll_packets in cpu/exchange.h)
-// and each step of the epilogue is a loop over a whole row, which the compiler vectorizes at the
-// baseline instruction set. Every element goes through the operations of epilogue.h's per-vector
-// steps, in their order (the sum from rank 0's value on, + residual, from_float, the sentinel's
-// word as +0, (x * scale) * weight), so vectorizing across elements changes no bit. The one
-// reduction, a row's sum of squares, stays what finish_row always was on the CPU: a sequential
-// fp32 sum from element 0 to hidden - 1, each square rounded before it is added. Up to
-// kGroupRows rows are finished together so that their sums, independent chains of adds, overlap.
-// tests/cpu/test_row_bits.cc holds the rows to epilogue.h's per-vector steps, bit for bit.
+// and each step of the epilogue is a loop over a whole row, which the compiler vectorizes (for the
+// baseline instruction set and for AVX2: RowLoops). Every element goes through the operations of
+// epilogue.h's per-vector steps, in their order (the sum from rank 0's value on, + residual,
+// from_float, the sentinel's word as +0, (x * scale) * weight), so vectorizing across elements
+// changes no bit (NaN payloads aside: where two NaNs meet, which payload survives is the
+// compiler's choice, as it always was). The one reduction, a row's sum of squares, stays what it
+// always was on the CPU: a sequential fp32 sum from element 0 to hidden - 1, each square rounded
+// before it is added. Up to kGroupRows rows are finished together so that their sums, independent
+// chains of adds, overlap. tests/cpu/test_row_bits.cc holds the rows to epilogue.h's per-vector
+// steps, bit for bit.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -43,11 +45,12 @@ class ScratchBytes {
   ~ScratchBytes() { std::free(data_); }
   void* reserve(size_t bytes) {
     if (bytes > size_) {
+      const size_t size = (bytes + 63) / 64 * 64;
       std::free(data_);
-      size_ = (bytes + 63) / 64 * 64;
-      data_ = std::aligned_alloc(64, size_);
-      if (data_ == nullptr)
-        TPF_FAIL("out of host memory for " << size_ << " bytes of scratch rows");
+      size_ = 0;
+      data_ = std::aligned_alloc(64, size);
+      if (data_ == nullptr) TPF_FAIL("out of host memory for " << size << " bytes of scratch rows");
+      size_ = size;
     }
     return data_;
   }
