@@ -62,9 +62,12 @@ TEST(SelectionTable, BuiltInTableMatchesDeviceWorldAndSize) {
   EXPECT_EQ(impl::table_algorithm("NVIDIA H200", 4, 6144), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 1024), Algorithm::kOneShot);
   EXPECT_EQ(impl::table_algorithm("some GPU", 4, 64u << 20), Algorithm::kNccl);
-  // CPU teams (device "cpu"): one-shot for one token, two-shot for large messages.
-  for (const int world : {2, 4, 8}) {
-    EXPECT_EQ(impl::table_algorithm("cpu", world, 6144), Algorithm::kOneShot) << world;
+  // CPU teams (device "cpu"): one-shot for one token at 2 and 4 ranks, two-shot beyond (and at 8
+  // ranks from one token on).
+  EXPECT_EQ(impl::table_algorithm("cpu", 2, 6144), Algorithm::kOneShot);
+  EXPECT_EQ(impl::table_algorithm("cpu", 4, 6144), Algorithm::kOneShot);
+  EXPECT_EQ(impl::table_algorithm("cpu", 8, 6144), Algorithm::kTwoShot);
+  for (const int world : {2, 3, 4, 8}) {
     EXPECT_EQ(impl::table_algorithm("cpu", world, 4u << 20), Algorithm::kTwoShot) << world;
   }
 }
