@@ -82,6 +82,15 @@ bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
   return a == b || disjoint(a, bytes, b, bytes);
 }
 
+// Bytes of the dynamic scales a call writes (none for a static scale or no FP8 output).
+size_t scales_bytes_of(const AddRmsNormArgs& args) {
+  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
+                         : args.quant == QuantMode::kPerTokenGroup128
+                             ? args.tokens * (args.hidden / kQuantGroupSize)
+                             : 0;
+  return size_t(scales) * sizeof(float);
+}
+
 }  // namespace
 
 // The FP8 output's arguments: present as its mode needs, aligned, and apart from every tensor
@@ -129,11 +138,7 @@ void validate_quant(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                   name << " must be 4-byte aligned, got " << pointer);
   }
   const size_t quant_bytes = size_t(args.tokens) * size_t(args.hidden);
-  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
-                         : args.quant == QuantMode::kPerTokenGroup128
-                             ? args.tokens * (args.hidden / kQuantGroupSize)
-                             : 1;
-  const size_t scales_bytes = size_t(scales) * sizeof(float);
+  const size_t scales_bytes = scales_bytes_of(args);
   const size_t gamma_bytes = size_t(args.hidden) * dtype_size(args.dtype);
   struct Region {
     const char* name;
@@ -210,14 +215,10 @@ void validate_moe(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue, s
       {"moe_expert_rows", args.moe_expert_rows, bytes * topk},
       {"moe_weights", args.moe_weights, size_t(args.tokens) * topk * weight_size},
       {"moe_shared", args.moe_shared, bytes}};
-  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
-                         : args.quant == QuantMode::kPerTokenGroup128
-                             ? args.tokens * (args.hidden / kQuantGroupSize)
-                             : 0;
   const Region written[] = {{"residual_out", args.residual_out, bytes},
                             {"norm_out", args.norm_out, bytes},
                             {"quant_out", args.quant_out, size_t(args.tokens * args.hidden)},
-                            {"scales_out", args.scales_out, size_t(scales) * sizeof(float)}};
+                            {"scales_out", args.scales_out, scales_bytes_of(args)}};
   for (const Region& out : written) {
     for (const Region& in : read) {
       TPF_CHECK_ARG(out.pointer == nullptr || in.pointer == nullptr ||

@@ -64,18 +64,27 @@ __global__ void __launch_bounds__(kMaxThreads) moe_combine_kernel(const RowCall 
 // each instantiation once.
 constexpr int kLocalWorld = 1;
 
+// A local kernel's launch: one block a token (at most 65535), the row's launch shape;
+// launch_with(kernel_tag, blocks, threads) launches the instantiation bound to the call.
+template <typename LaunchWith>
+void launch_local(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
+                  LaunchWith&& launch_with) {
+  const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
+  const int blocks = int(std::min<int64_t>(call.tokens, 65535));
+  dispatch_row_kernel(dtype, kLocalWorld, epilogue, shape,
+                      [&](auto kernel_tag) { launch_with(kernel_tag, blocks, shape.threads); });
+}
+
 }  // namespace
 
 void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                          cudaStream_t stream) {
   TPF_CHECK_ARG(epilogue.norm, "local epilogue", "a plain sum has no local epilogue");
-  const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
-  const int blocks = int(std::min<int64_t>(call.tokens, 65535));
-  dispatch_row_kernel(dtype, kLocalWorld, epilogue, shape, [&](auto kernel_tag) {
+  launch_local(call, dtype, epilogue, [&](auto kernel_tag, int blocks, int threads) {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasNorm) {
       launch(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>, blocks,
-             shape.threads, 0, stream, call);
+             threads, 0, stream, call);
     }
   });
 }
@@ -83,13 +92,11 @@ void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind
 void cuda_moe_combine(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue, void* out,
                       cudaStream_t stream) {
   TPF_CHECK_ARG(epilogue.moe, "moe combine", "the call has no MoE finalize");
-  const LaunchShape shape = launch_shape(call.hidden, dtype_size(dtype));
-  const int blocks = int(std::min<int64_t>(call.tokens, 65535));
-  dispatch_row_kernel(dtype, kLocalWorld, epilogue, shape, [&](auto kernel_tag) {
+  launch_local(call, dtype, epilogue, [&](auto kernel_tag, int blocks, int threads) {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasMoe) {
       launch(moe_combine_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>, blocks,
-             shape.threads, 0, stream, call, out);
+             threads, 0, stream, call, out);
     }
   });
 }

@@ -203,8 +203,6 @@ struct RowEpilogue {
   static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant, kMoe};
   // How a row that arrives already rounded (the two-shot all-gather) is finished.
   using Gathered = RowEpilogue<false, kNorm, kWeight, kQuant>;
-  // The same epilogue on a contribution already in memory (the NCCL path's sum).
-  using WithoutMoe = RowEpilogue<kResidual, kNorm, kWeight, kQuant>;
 
   template <typename T>
   TPF_HOST_DEVICE static Vec16 round_sum(float (&acc)[Packed<T>::kElements], const Vec16& residual,
