@@ -216,21 +216,23 @@ __global__ void quantize_fp8_kernel(const impl::Vec16* norm, int64_t vectors, Qu
     scale = impl::dynamic_scale(warp_max[0]);
   }
   // Every thread runs the same number of iterations, so the group shuffles see whole warps.
+  const impl::Fp8Divisor row_divisor = impl::fp8_divisor(scale);
   for (int64_t base = 0; base < vectors; base += blockDim.x) {
     const int64_t v = base + threadIdx.x;
     const bool mine = v < vectors;
     const impl::Vec16 x = mine ? row[v] : impl::Vec16{};
-    float vector_scale = scale;
+    impl::Fp8Divisor divisor = row_divisor;
     if (mode == QuantMode::kPerTokenGroup128) {
       float amax = mine ? impl::vector_amax<T>(x) : 0.0f;
       for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       }
-      vector_scale = impl::dynamic_scale(amax);
-      if (mine && v % kGroupLanes == 0) scales[token * groups + v / kGroupLanes] = vector_scale;
+      const float group_scale = impl::dynamic_scale(amax);
+      if (mine && v % kGroupLanes == 0) scales[token * groups + v / kGroupLanes] = group_scale;
+      divisor = impl::fp8_divisor(group_scale);
     }
     if (mine) {
-      const impl::QuantBytes<T> q = impl::quantize_vector<T>(x, vector_scale);
+      const impl::QuantBytes<T> q = impl::quantize_vector<T>(x, divisor);
       memcpy(quant_out + (token * vectors + v) * kElements, q.bytes, kElements);
     }
   }

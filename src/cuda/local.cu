@@ -22,7 +22,7 @@ namespace {
 // in bf16: four blocks of 384 threads fit a multiprocessor instead of three; a tighter register
 // cap spills).
 template <typename T, typename Epilogue, int kVecsPerThread>
-__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCall p) {
+__device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
   __shared__ float shared_sums[33];
@@ -41,6 +41,28 @@ __global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCa
     }
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, GammaInMemory{p.gamma}, p, token,
                                             vectors, shared_sums, NoSend{});
+  }
+}
+
+template <typename T, typename Epilogue, int kVecsPerThread>
+__global__ void __launch_bounds__(kMaxThreads) local_epilogue_kernel(const RowCall p) {
+  local_epilogue_rows<T, Epilogue, kVecsPerThread>(p);
+}
+
+// The FP8 forms with one vector a thread (MoE aside) held to 56 registers, which they fit without
+// spilling: three blocks of 384 threads resident instead of two. (A cap on every kernel would
+// change the others' allocation too.)
+template <typename T, typename Epilogue, int kVecsPerThread>
+__global__ void __maxnreg__(56) local_epilogue_kernel_56(const RowCall p) {
+  local_epilogue_rows<T, Epilogue, kVecsPerThread>(p);
+}
+
+template <typename T, typename Epilogue, int kVecsPerThread>
+constexpr auto local_kernel() {
+  if constexpr (Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 1) {
+    return local_epilogue_kernel_56<T, Epilogue, kVecsPerThread>;
+  } else {
+    return local_epilogue_kernel<T, Epilogue, kVecsPerThread>;
   }
 }
 
@@ -83,8 +105,8 @@ void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind
   launch_local(call, dtype, epilogue, [&](auto kernel_tag, int blocks, int threads) {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasNorm) {
-      launch(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>, blocks,
-             threads, 0, stream, call);
+      launch(local_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>(), blocks, threads,
+             0, stream, call);
     }
   });
 }
@@ -105,7 +127,7 @@ void cuda_preload_local_kernels() {
   for_each_row_kernel(kLocalWorld, [](auto kernel_tag) {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasNorm) {
-      preload(local_epilogue_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);
+      preload(local_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>());
     }
     if constexpr (Tag::Epilogue::kHasMoe) {
       preload(moe_combine_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);

@@ -179,8 +179,8 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
                                              float* shared_values, float static_scale) {
   constexpr int kElements = Packed<T>::kElements;
   uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
-  const auto store = [&](int i, float scale) {
-    const QuantBytes<T> q = quantize_vector<T>(normalized[i], scale);
+  const auto store = [&](int i, const Fp8Divisor& divisor) {
+    const QuantBytes<T> q = quantize_vector<T>(normalized[i], divisor);
     uint8_t* const at = out + owned(i) * kElements;
     if constexpr (kElements == 8) {
       uint2 word;
@@ -207,7 +207,7 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       }
       const float scale = dynamic_scale(amax);
       if (mine) {
-        store(i, scale);
+        store(i, fp8_divisor(scale));
         if (owned(i) % kGroupLanes == 0) {
           const int64_t group = owned(i) / kGroupLanes;
           p.scales_out[p.scales_column_major ? group * p.tokens + token : token * groups + group] =
@@ -227,9 +227,10 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
     scale = dynamic_scale(block_max(amax, shared_values));
     if (threadIdx.x == 0) p.scales_out[token] = scale;
   }
+  const Fp8Divisor divisor = fp8_divisor(scale);
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
-    if (owns<kVecsPerThread>(i, vectors)) store(i, scale);
+    if (owns<kVecsPerThread>(i, vectors)) store(i, divisor);
   }
 }
 

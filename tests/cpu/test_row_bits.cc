@@ -102,7 +102,7 @@ RowOutputs expected_rows(const RowCase& c, const std::vector<std::vector<uint8_t
       }
       if constexpr (Epilogue::kHasQuant) {
         const auto store = [&](int64_t v, float s) {
-          const auto q = impl::quantize_vector<T>(normalized[size_t(v)], s);
+          const auto q = impl::quantize_vector<T>(normalized[size_t(v)], impl::fp8_divisor(s));
           std::memcpy(out.quant_out.data() + token * c.hidden + v * kElements, q.bytes, kElements);
         };
         if (c.quant == QuantMode::kStatic) {

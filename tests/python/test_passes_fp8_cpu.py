@@ -4,9 +4,10 @@ static scale, per token, per token group of 128) becomes one tpfuse::allreduce_a
 
 Each test compiles a small model and checks the rewrites counted, the ops the graph held before
 and after, and the numbers: the norm and the residual as in test_passes_cpu.py (close to the eager
-model's), and the FP8 output and its scales exactly equal to the eager quantization of the
-compiled model's own norm output (the op quantizes the rounded norm as stored; the eager model's
-norm may differ from it in the last bit, so its FP8 bytes are compared as values)."""
+model's), and the FP8 output and its scales exactly equal to the defined quantization (IEEE
+divisions; on the CPU that is torch's eager one too) of the compiled model's own norm output (the op
+quantizes the rounded norm as stored; the eager model's norm may differ from it in the last bit, so
+its FP8 bytes are compared as values)."""
 
 import os
 import sys
@@ -46,6 +47,27 @@ def vllm_rms_norm(h, weight, eps):
 
 def as_tuple(value):
     return value if isinstance(value, tuple) else (value,)
+
+
+def defined_quantization(mode, norm, static_scale):
+    """The FP8 output and scales by their definition, the same on every device: each division
+    IEEE (a float64 quotient rounded once to float32 is the correctly rounded float32 one),
+    saturated to +-448, rounded to nearest even. torch's CUDA kernels divide by a Python number
+    as a product with its reciprocal, so there the model code's own scales may differ from these
+    in the last bit; on the CPU they are equal (check_quantized asserts both)."""
+
+    def divide(values, scale):
+        quotient = (values.double() / scale.double()).float()
+        return quotient.clamp(-448.0, 448.0).to(FP8)
+
+    values = norm.float()
+    if mode == "static":
+        return (divide(values, static_scale),)
+    if mode == "group128":
+        values = values.reshape(*norm.shape[:-1], norm.shape[-1] // 128, 128)
+    amax = values.abs().amax(-1, keepdim=True).clamp(min=1e-10)
+    scale = (amax.double() / 448.0).float()
+    return divide(values, scale).reshape(norm.shape), scale
 
 
 class _OneRankPasses(unittest.TestCase):
@@ -112,9 +134,16 @@ class _OneRankPasses(unittest.TestCase):
         return norm.view(x.shape)
 
     def check_quantized(self, mode, norm, q, s, expected_q, expected_s, scale):
-        """q, s: exactly the torch quantization of the fused op's norm (`norm`); close to the
-        eager model's, which rounds its norm twice and may land one E4M3 step away."""
-        want = as_tuple(MODES[mode][0](norm, scale))
+        """q, s: exactly the defined quantization of the fused op's norm (`norm`), which on the
+        CPU is also torch's; close to the eager model's, which rounds its norm twice and may land
+        one E4M3 step away."""
+        want = defined_quantization(mode, norm, scale)
+        if norm.device.type == "cpu":
+            torch_quantized = as_tuple(MODES[mode][0](norm, scale))
+            for mine, theirs in zip(want, torch_quantized):
+                self.assertTrue(torch.equal(mine.view(torch.uint8) if mine.dtype == FP8 else mine,
+                                            theirs.view(torch.uint8)
+                                            if theirs.dtype == FP8 else theirs))
         self.assertEqual(q.dtype, FP8)
         self.assertEqual(q.shape, norm.shape)
         self.assertTrue(torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)))

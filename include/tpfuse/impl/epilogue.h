@@ -102,22 +102,74 @@ TPF_HOST_DEVICE float dynamic_scale(float amax) {
   return fmaxf(amax, kQuantMinAmax) / kFp8E4M3Max;
 }
 
-// The E4M3 bytes of one vector's elements divided by `scale` (IEEE division: the same bits on
-// the host and the device), packed little-endian: 8 bytes for 16-bit T, 4 for fp32.
+// Division by one FP8 scale (a call's, a token's or a group's), with IEEE division's E4M3 bytes
+// on the host and the device. The host divides. The device multiplies by the correctly rounded
+// reciprocal and corrects once with the exact remainder (Markstein): the IEEE quotient wherever
+// it can decide a byte (E4M3 rounds below 2^-10 to zero and saturates from 464; the quotient is
+// IEEE's for every pair of significands and for every x whose quotient lies within 2^+-20),
+// with no slow-path branch per element, so a vector's quotients issue together instead of one
+// IEEE division after another (tests/gpu/test_numeric_gpu.cu checks all of this exhaustively).
+// A scale outside [2^-60, 2^60] divides element by element.
+struct Fp8Divisor {
+  float scale;
+  float reciprocal;    // RN(1 / scale): the device's
+  bool by_reciprocal;  // scale within [2^-60, 2^60]
+};
+
+TPF_HOST_DEVICE Fp8Divisor fp8_divisor(float scale) {
+#if TPF_ON_DEVICE
+  const float magnitude = fabsf(scale);
+  return {scale, __frcp_rn(scale), magnitude >= 0x1p-60f && magnitude <= 0x1p60f};
+#else
+  return {scale, 0.0f, false};
+#endif
+}
+
+#if defined(__CUDACC__)
+// x / d.scale by the reciprocal (d.by_reciprocal).
+__device__ __forceinline__ float quotient_by_reciprocal(float x, const Fp8Divisor& d) {
+  const float q = __fmul_rn(x, d.reciprocal);
+  const float remainder = __fmaf_rn(-q, d.scale, x);
+  // A zero remainder: q is exact (and keeps a zero's sign, which the correction would lose); an
+  // infinite or NaN one: q is infinite or NaN already (x is, or the quotient overflows).
+  return remainder != 0.0f && fabsf(remainder) < INFINITY ? __fmaf_rn(remainder, d.reciprocal, q)
+                                                          : q;
+}
+#endif
+
+// The E4M3 bytes of one vector's elements divided by the scale, packed little-endian: 8 bytes
+// for 16-bit T, 4 for fp32.
 template <typename T>
 struct QuantBytes {
   uint8_t bytes[Packed<T>::kElements];
 };
 
 template <typename T>
-TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, float scale) {
-  float lanes[Packed<T>::kElements];
+TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, const Fp8Divisor& divisor) {
+  constexpr int kElements = Packed<T>::kElements;
+  float lanes[kElements];
   unpack<T>(normalized, lanes);
   QuantBytes<T> out;
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) {
-    out.bytes[i] = fp8_e4m3_from_float(lanes[i] / scale).bits;
+#if TPF_ON_DEVICE
+  const auto convert = [&](auto quotient) {
+    TPF_UNROLL
+    for (int i = 0; i < kElements; i += 2) {
+      const uint16_t pair = fp8_e4m3x2_from_floats(quotient(lanes[i]), quotient(lanes[i + 1]));
+      out.bytes[i] = uint8_t(pair);
+      out.bytes[i + 1] = uint8_t(pair >> 8);
+    }
+  };
+  if (divisor.by_reciprocal) {
+    convert([&](float x) { return quotient_by_reciprocal(x, divisor); });
+  } else {
+    convert([&](float x) { return __fdiv_rn(x, divisor.scale); });
   }
+#else
+  TPF_UNROLL
+  for (int i = 0; i < kElements; ++i) {
+    out.bytes[i] = fp8_e4m3_from_float(lanes[i] / divisor.scale).bits;
+  }
+#endif
   return out;
 }
 

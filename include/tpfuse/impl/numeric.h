@@ -213,6 +213,17 @@ TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float(float x) {
 #endif
 }
 
+#if defined(__CUDACC__)
+// Two conversions in one instruction, `lo` into the low byte: fp8_e4m3_from_float's bits for
+// each, the NaN fix-up as selects.
+__device__ __forceinline__ uint16_t fp8_e4m3x2_from_floats(float lo, float hi) {
+  const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t low = lo != lo ? kFp8E4M3NaN : pair & 0xffu;
+  const uint32_t high = hi != hi ? kFp8E4M3NaN : pair >> 8;
+  return uint16_t(low | high << 8);
+}
+#endif
+
 // 16 bytes: the unit every load, store and packet moves (ld.128 / st.128 on the GPU).
 struct alignas(16) Vec16 {
   uint32_t word[4];
