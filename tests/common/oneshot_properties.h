@@ -314,20 +314,21 @@ inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result)
         }
         return std::max(amax, kQuantMinAmax) / 448.0f;
       };
+      // The token's scale, or its group's (each taken once, at the token's or group's start).
+      float scale = spec.static_scale;
       for (int64_t i = 0; i < spec.hidden && wrong < 5; ++i) {
-        float scale = spec.static_scale;
-        if (spec.quant == QuantMode::kPerToken) {
+        if (spec.quant == QuantMode::kPerToken && i == 0) {
           scale = scale_over(0, spec.hidden);
-          if (i == 0 && impl::float_bits(scales[size_t(t)]) != impl::float_bits(scale)) {
+          if (impl::float_bits(scales[size_t(t)]) != impl::float_bits(scale)) {
             ADD_FAILURE() << describe(spec) << " rank " << r << ": scale of token " << t << " is "
                           << scales[size_t(t)] << ", expected " << scale;
             ++wrong;
           }
-        } else if (spec.quant == QuantMode::kPerTokenGroup128) {
+        } else if (spec.quant == QuantMode::kPerTokenGroup128 && i % kQuantGroupSize == 0) {
           const int64_t g = i / kQuantGroupSize;
           scale = scale_over(g * kQuantGroupSize, (g + 1) * kQuantGroupSize);
           const size_t at = size_t(spec.scales_column_major ? g * spec.tokens + t : t * groups + g);
-          if (i % kQuantGroupSize == 0 && impl::float_bits(scales[at]) != impl::float_bits(scale)) {
+          if (impl::float_bits(scales[at]) != impl::float_bits(scale)) {
             ADD_FAILURE() << describe(spec) << " rank " << r << ": scale of token " << t
                           << " group " << g << " is " << scales[at] << ", expected " << scale
                           << (spec.scales_column_major ? " (column-major)" : "");
