@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include "core/calls.h"
 #include "tpfuse/impl/epilogue.h"
@@ -22,8 +21,9 @@ void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, 
                         int64_t row_elements, DType dtype);
 
 // A row call as the CPU row code runs it: with the MoE finalize (epilogue.moe), its combine
-// computed into a buffer (cpu/moe.cc) that call().input points to, and epilogue() the same
-// epilogue reading input; otherwise the call as given.
+// computed into the rank thread's buffer (cpu/moe.cc; valid until the thread's next MoE call)
+// that call().input points to, and epilogue() the same epilogue reading input; otherwise the call
+// as given.
 class CpuMoeInput {
  public:
   CpuMoeInput(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
@@ -33,7 +33,6 @@ class CpuMoeInput {
  private:
   RowCall call_;
   RowEpilogueKind epilogue_;
-  std::vector<Vec16> contribution_;
 };
 
 void cpu_qk_rmsnorm(const QkCall& call, DType dtype, QkPass pass);

@@ -36,16 +36,25 @@ void combine(const RowCall& p, Vec16* out) {
   }
 }
 
+// Each rank thread's combined rows: grown to the largest call and kept, so that a call allocates
+// nothing once its size has been seen (a failed growth throws and leaves the buffer as it was).
+Vec16* contribution_buffer(size_t vectors) {
+  thread_local std::vector<Vec16> buffer;
+  if (buffer.size() < vectors) buffer.resize(vectors);
+  return buffer.data();
+}
+
 }  // namespace
 
 CpuMoeInput::CpuMoeInput(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue)
     : call_(call), epilogue_(epilogue) {
   if (!epilogue.moe) return;
-  contribution_.resize(size_t(call.tokens * call.hidden) * dtype_size(dtype) / 16);
+  Vec16* const contribution =
+      contribution_buffer(size_t(call.tokens * call.hidden) * dtype_size(dtype) / 16);
   dispatch_dtype(dtype, [&](auto type_tag) {
-    combine<typename decltype(type_tag)::type>(call, contribution_.data());
+    combine<typename decltype(type_tag)::type>(call, contribution);
   });
-  call_.input = contribution_.data();
+  call_.input = contribution;
   epilogue_.moe = false;
 }
 
