@@ -12,6 +12,10 @@ With two or more GPUs (one process per GPU, NCCL group), op allreduce_add_rmsnor
   symm_mem_oneshot+tpfuse_local, symm_mem_twoshot+tpfuse_local  torch's symmetric-memory
       all-reduce (no multicast) into a buffer, then tpfuse's local add + RMSNorm kernel
   tpfuse_torch  tpfuse's op from torch, in place (Team.from_group, the selector's choice)
+and ops allreduce_add_rmsnorm_fp8 (a static scale) and allreduce_add_rmsnorm_fp8_token (a scale
+per token): the same norm kept in bf16 (in place) and its FP8 E4M3 bytes, tpfuse_torch against
+flashinfer_oneshot / _twoshot / _auto with the patterns that keep the norm too
+(kARResidualRMSNormOutFP8Quant, kARResidualRMSNormOutDynamicFP8Quant); --skip-fp8 leaves them out
 On every run, on GPU 0, op add_rmsnorm (the local kernels, in place as engines call them):
   flashinfer_fused_add_rmsnorm, tpfuse_one_rank (a one-rank team: tpfuse's local kernel), and
   with --with-compile torch_compile (add + RMSNorm in torch, compiled by Inductor)
@@ -22,7 +26,8 @@ started by every rank together (an NCCL all-reduce of one word, then a synchroni
 with events; the figure is the median replay / ops-per-graph, rank 0's as `us`, the slowest
 rank's as `us_max_rank`. Every impl's outputs are compared with tpfuse's on the same inputs
 (fresh, not the timed buffers): `max_abs_diff` (the largest difference in norm_out and
-residual_out), `bitwise_equal` (both outputs identical in every bit).
+residual_out, and for the FP8 ops in the FP8 values and scales), `bitwise_equal` (every output
+identical in every bit).
 
 FlashInfer is a benchmark dependency only: scripts/prepare-flashinfer.sh makes the bundle the GPU
 machine uses. Without it the FlashInfer impls are left out and the run says so.
@@ -47,6 +52,13 @@ WARMUP_REPLAYS = 3
 EPS = 1e-6
 DTYPE = torch.bfloat16
 MAX_TOKENS = 32768  # tpfuse-bench's GPU limit
+# The FP8 ops: tpfuse-bench's op name -> (tpfuse's quant, the FlashInfer pattern that keeps the
+# norm as well). The static scale puts the norms of random_sets' values well inside E4M3's range.
+FP8_OPS = {
+    "allreduce_add_rmsnorm_fp8": ("static", "kARResidualRMSNormOutFP8Quant"),
+    "allreduce_add_rmsnorm_fp8_token": ("per_token", "kARResidualRMSNormOutDynamicFP8Quant"),
+}
+STATIC_SCALE = 0.02
 
 
 def parse_list(text, flag):
@@ -71,6 +83,8 @@ def parse_args(argv=None):
     parser.add_argument("--results", default="",
                         help="a tpfuse-bench results file of this run: the records are added to it")
     parser.add_argument("--skip", default="", help="impls to leave out, comma-separated")
+    parser.add_argument("--skip-fp8", action="store_true",
+                        help="leave out the FP8 ops (allreduce_add_rmsnorm_fp8, _fp8_token)")
     parser.add_argument("--with-compile", action="store_true",
                         help="also the local add + RMSNorm compiled by Inductor (a compile per "
                              "shape: minutes on a fresh machine)")
@@ -170,8 +184,11 @@ def compare(outputs, reference):
     """(max |difference| over norm_out and residual_out, whether every bit is equal)."""
     worst, equal = 0.0, True
     for got, want in zip(outputs, reference):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return float("nan"), False
         worst = max(worst, (got.float() - want.float()).abs().max().item())
-        equal = equal and torch.equal(got.view(torch.int16), want.view(torch.int16))
+        equal = equal and torch.equal(got.reshape(-1).view(torch.uint8),
+                                      want.reshape(-1).view(torch.uint8))
     return worst, equal
 
 
@@ -183,6 +200,7 @@ class TpfuseTorch:
     input <- norm), the selector's choice."""
 
     name = "tpfuse_torch"
+    op = "allreduce_add_rmsnorm"
 
     def __init__(self, context):
         import tpfuse
@@ -198,9 +216,29 @@ class TpfuseTorch:
         return s["input"], s["residual"]
 
 
+class TpfuseTorchFp8(TpfuseTorch):
+    """tpfuse's FP8 op from torch, in place (input <- the bf16 norm, which a MoE router reads),
+    returning the FP8 bytes (and the per-token scales)."""
+
+    def __init__(self, context, op):
+        super().__init__(context)
+        self.op = op
+        self.quant = FP8_OPS[op][0]
+        self.scale = torch.full((1,), STATIC_SCALE, dtype=torch.float32, device=context["device"])
+
+    def call(self, s, gamma):
+        static = self.quant == "static"
+        q, scales = self.tpfuse.allreduce_add_rmsnorm_fp8_(
+            self.team, s["input"], s["residual"], gamma, EPS, self.quant,
+            scale=self.scale if static else None)
+        return (s["input"], s["residual"], q) + (() if static else (scales.reshape(-1, 1),))
+
+
 class SymmMemThenLocal:
     """torch's symmetric-memory all-reduce of the input (kept in a symmetric buffer, as a model
     whose GEMM wrote it there), then tpfuse's local add + RMSNorm in place on the sum."""
+
+    op = "allreduce_add_rmsnorm"
 
     def __init__(self, context, algorithm):
         import torch.distributed._symmetric_memory as symm_mem
@@ -242,6 +280,8 @@ class FlashInferFusion:
     """FlashInfer's fused all-reduce + residual add + RMSNorm (TensorRT-LLM's Lamport kernels),
     called as vLLM calls it: in place (norm into the input, the sum into the residual), fp32
     accumulation, PDL, the workspace rendezvous over a gloo group."""
+
+    op = "allreduce_add_rmsnorm"
 
     def __init__(self, context, mode):
         self.fi = context["flashinfer"]
@@ -292,6 +332,46 @@ class FlashInferFusion:
         return s["input"], s["residual"]
 
 
+class FlashInferFusionFp8(FlashInferFusion):
+    """FlashInfer's fused all-reduce + residual add + RMSNorm + FP8 output, the pattern that also
+    keeps the bf16 norm (in place into the input, as vLLM calls it): a static scale
+    (scale_factor, a device scalar) or a dynamic scale per token (scale_out [tokens, 1])."""
+
+    def __init__(self, context, mode, op):
+        super().__init__(context, mode)
+        self.op = op
+        self.quant, self.pattern_name = FP8_OPS[op]
+        self.scale = torch.full((1,), STATIC_SCALE, dtype=torch.float32, device=self.device)
+
+    def prepare(self, tokens, hidden):
+        if self.shape == hidden:
+            return
+        super().prepare(tokens, hidden)
+        self.quant_out = torch.empty((PeersRun.max_tokens, hidden), dtype=torch.float8_e4m3fn,
+                                     device=self.device)
+        self.scale_out = torch.empty((PeersRun.max_tokens, 1), dtype=torch.float32,
+                                     device=self.device)
+
+    def call(self, s, gamma):
+        from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
+
+        tokens = s["input"].shape[0]
+        if self.mode == "twoshot" and tokens <= self.world:
+            raise ValueError("FlashInfer's two-shot needs more tokens than ranks")
+        static = self.quant == "static"
+        quant_out, scale_out = self.quant_out[:tokens], self.scale_out[:tokens]
+        use_oneshot = {"oneshot": True, "twoshot": False, "auto": None}[self.mode]
+        allreduce_fusion(
+            input=s["input"], workspace=self.workspace,
+            pattern=getattr(AllReduceFusionPattern, self.pattern_name), launch_with_pdl=True,
+            trigger_completion_at_end=True, output=self.scratch[:tokens],
+            residual_in=s["residual"], residual_out=s["residual"], norm_out=s["input"],
+            quant_out=quant_out, scale_out=None if static else scale_out, rms_gamma=gamma,
+            rms_eps=EPS, scale_factor=self.scale if static else None, use_oneshot=use_oneshot,
+            fp32_acc=True)
+        return (s["input"], s["residual"], quant_out) + (() if static else (scale_out,))
+
+
 class PeersRun:
     max_tokens = 1
 
@@ -328,13 +408,19 @@ def rank_main(rank, world, store_path, args, queue):
         print(f"peers.py: FlashInfer is not importable ({why_not}): its impls are left out",
               file=sys.stderr)
     impls += [SymmMemThenLocal(context, algorithm) for algorithm in ("oneshot", "twoshot")]
+    if not args.skip_fp8:
+        for op in FP8_OPS:
+            impls.append(TpfuseTorchFp8(context, op))
+            if flashinfer is not None:
+                impls += [FlashInferFusionFp8(context, mode, op)
+                          for mode in ("oneshot", "twoshot", "auto")]
     impls = [impl for impl in impls if impl.name not in args.skip]
 
     timer = Timer(device, args.ops_per_graph, args.replays, barrier)
     records = []
     for hidden in args.hidden:
         for tokens in args.tokens:
-            reference = None
+            references = {}  # op -> tpfuse_torch's outputs on the check inputs
             for impl in impls:
                 failed = None
                 try:
@@ -356,20 +442,21 @@ def rank_main(rank, world, store_path, args, queue):
                 dist.all_reduce(flags)
                 if flags.item() > 0 and failed is None:
                     failed = "failed on another rank"
-                record = {"op": "allreduce_add_rmsnorm", "impl": impl.name, "hidden": hidden,
+                record = {"op": impl.op, "impl": impl.name, "hidden": hidden,
                           "tokens": tokens, "world_size": world, "us": us}
                 if impl.name.startswith("flashinfer"):
                     record["pdl"] = True
                 if failed is not None:
                     record["error"] = failed
                 elif impl.name == "tpfuse_torch":
-                    reference = outputs
+                    references[impl.op] = outputs
                     record["chosen"] = context["team"].choose(tokens, hidden, DTYPE)
-                elif reference is not None:
-                    record["max_abs_diff"], record["bitwise_equal"] = compare(outputs, reference)
+                elif impl.op in references:
+                    record["max_abs_diff"], record["bitwise_equal"] = compare(
+                        outputs, references[impl.op])
                 records.append(record)
                 if rank == 0:
-                    print(f"peers: hidden {hidden} tokens {tokens} {impl.name}: "
+                    print(f"peers: hidden {hidden} tokens {tokens} {impl.op} {impl.name}: "
                           f"{us:.2f} us" + (f" ({failed})" if failed else ""), file=sys.stderr)
     for impl in impls:
         if hasattr(impl, "close"):
@@ -524,8 +611,9 @@ def main(argv=None):
                for record in records]
     # JSON has no NaN: a figure not measured is null.
     for record in records:
-        if record["us"] != record["us"]:
-            record["us"] = None
+        for key in ("us", "max_abs_diff"):
+            if key in record and record[key] != record[key]:
+                record[key] = None
     if args.results:
         path = args.results
         results += records
@@ -538,11 +626,11 @@ def main(argv=None):
         print(f"peers.py: wrote {len(records)} records to {path}")
     for record in records:
         extra = ""
-        if "bitwise_equal" in record:
+        if "bitwise_equal" in record and record["max_abs_diff"] is not None:
             extra = (f"  vs tpfuse: max |diff| {record['max_abs_diff']:.3g}"
                      f"{', same bits' if record['bitwise_equal'] else ''}")
         us = "-" if record["us"] is None else f"{record['us']:.2f}"
-        print(f"{record['op']:24s} {record['impl']:34s} hidden {record['hidden']:5d} "
+        print(f"{record['op']:34s} {record['impl']:34s} hidden {record['hidden']:5d} "
               f"tokens {record['tokens']:5d}  {us:>8s} us{extra}")
     return 0
 
