@@ -55,7 +55,10 @@ def init_world_of_one():
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-class Passes(unittest.TestCase):
+class PassesInstalled(unittest.TestCase):
+    """The passes installed on a one-rank team for a class's tests (test_passes_fp8_cpu.py's
+    classes derive from it too); no tests of its own."""
+
     device = "cpu"
 
     @classmethod
@@ -75,6 +78,9 @@ class Passes(unittest.TestCase):
     def tearDownClass(cls):
         passes.uninstall()
         cls.team.close()
+
+
+class Passes(PassesInstalled):
 
     def on_device(self, args):
         return [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]

@@ -70,23 +70,8 @@ def defined_quantization(mode, norm, static_scale):
     return divide(values, scale).reshape(norm.shape), scale
 
 
-class _OneRankPasses(unittest.TestCase):
+class _OneRankPasses(base.PassesInstalled):
     """The passes installed on a one-rank team; compiles, checks, no tests of its own."""
-
-    device = "cpu"
-    make_team = base.Passes.make_team
-
-    @classmethod
-    def setUpClass(cls):
-        base.init_world_of_one()
-        cls.team = cls.make_team()
-        cls.fusion = passes.install(cls.team)
-        torch._inductor.config.force_disable_caches = True
-
-    @classmethod
-    def tearDownClass(cls):
-        passes.uninstall()
-        cls.team.close()
 
     def inputs(self, tokens=5, hidden=384, lead=None):
         generator = torch.Generator().manual_seed(tokens * hidden + 7)
