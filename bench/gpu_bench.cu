@@ -535,40 +535,55 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
   // is larger than 8), in place in each buffer set's qkv rows, with and without RoPE: the fused
   // op against its unfused form (sum-of-squares kernel, NCCL all-reduce of the [T, 2] fp32 sums,
   // norm kernel), which computes the same bits.
-  const QkShape shape = minimax_qk_shape(world_size);
-  const int64_t q_size = shape.q_size, kv_size = shape.kv_size;
-  const int64_t qk_row = q_size + 2 * kv_size;
-  if (!shape.valid || q_size > plan.max_hidden) return;
-  for (int64_t tokens = 1; tokens <= plan.max_tokens; tokens *= 2) {
-    if (size_t(tokens * qk_row) * dtype_size(dtype) > plan.buffer_bytes) break;
-    for (const bool rope : {false, true}) {
-      const auto qk_args = [&](const DeviceBufferSet& set) {
-        return minimax_qk_args(shape, set.input, gpu.gamma(), tokens, dtype,
-                               rope ? gpu.positions() : nullptr, gpu.cos_sin());
-      };
-      double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        allreduce_qk_rmsnorm(team, qk_args(set), stream);
-      });
-      team.check();
-      add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope" : "tpfuse_fused", q_size + kv_size,
-          tokens, world_size, us, true);
+  // On a one-rank team also the per-rank shape of world 2 (MiniMax-M2 TP-2's, its global sizes
+  // kept): the fused kernel the pair runs, without the exchange.
+  std::vector<int> shape_worlds{world_size};
+  if (world_size == 1) shape_worlds.push_back(2);
+  for (const int shape_world : shape_worlds) {
+    const QkShape shape = minimax_qk_shape(shape_world);
+    const int64_t q_size = shape.q_size, kv_size = shape.kv_size;
+    const int64_t qk_row = q_size + 2 * kv_size;
+    if (!shape.valid || q_size > plan.max_hidden) continue;
+    const std::string label = shape_world == world_size
+                                  ? std::string()
+                                  : qk_shape_label(shape, shape_world) + ", on a one-rank team";
+    for (int64_t tokens = 1; tokens <= plan.max_tokens; tokens *= 2) {
+      if (size_t(tokens * qk_row) * dtype_size(dtype) > plan.buffer_bytes) break;
+      for (const bool rope : {false, true}) {
+        const auto qk_args = [&](const DeviceBufferSet& set) {
+          return minimax_qk_args(shape, set.input, gpu.gamma(), tokens, dtype,
+                                 rope ? gpu.positions() : nullptr, gpu.cos_sin());
+        };
+        double us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          allreduce_qk_rmsnorm(team, qk_args(set), stream);
+        });
+        team.check();
+        add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope" : "tpfuse_fused", q_size + kv_size,
+            tokens, world_size, us, true);
+        records.back().shape = label;
 #if TPFUSE_BENCH_NCCL
-      const bool count_k = gpu.rank() % shape.kv_replicas == 0;
-      double unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        const QkNormArgs args = qk_args(set);
-        qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);
-        TPF_CHECK_NCCL(ncclAllReduce(gpu.sums(), gpu.sums(), size_t(2 * tokens), ncclFloat32,
-                                     ncclSum, gpu.comm(), stream));
-        qk_rmsnorm_from_sums(Backend::kCuda, args, gpu.sums(), stream);
-      });
-      add("allreduce_qk_rmsnorm", rope ? "nccl_ar_sums+local_rope" : "nccl_ar_sums+local",
-          q_size + kv_size, tokens, world_size, unfused, false);
+        const bool count_k = gpu.rank() % shape.kv_replicas == 0;
+        double unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          const QkNormArgs args = qk_args(set);
+          qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);
+          TPF_CHECK_NCCL(ncclAllReduce(gpu.sums(), gpu.sums(), size_t(2 * tokens), ncclFloat32,
+                                       ncclSum, gpu.comm(), stream));
+          qk_rmsnorm_from_sums(Backend::kCuda, args, gpu.sums(), stream);
+        });
+        add("allreduce_qk_rmsnorm", rope ? "nccl_ar_sums+local_rope" : "nccl_ar_sums+local",
+            q_size + kv_size, tokens, world_size, unfused, false);
+        records.back().shape = label;
 #else
-      double unfused = std::numeric_limits<double>::quiet_NaN();
+        double unfused = std::numeric_limits<double>::quiet_NaN();
 #endif
-      if (is_rank0) {
-        std::fprintf(stderr, "qk norm%s tokens %lld (us/op, rank 0): tpfuse %.2f  unfused %.2f\n",
-                     rope ? "+rope" : "", static_cast<long long>(tokens), us, unfused);
+        if (is_rank0) {
+          std::fprintf(stderr,
+                       "qk norm%s q %lld + k %lld, tokens %lld (us/op, rank 0): tpfuse %.2f  "
+                       "unfused %.2f\n",
+                       rope ? "+rope" : "", static_cast<long long>(q_size),
+                       static_cast<long long>(kv_size), static_cast<long long>(tokens), us,
+                       unfused);
+        }
       }
     }
   }

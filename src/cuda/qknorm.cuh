@@ -25,12 +25,19 @@
 //      neox partner from another lane of the warp, or through shared memory for layouts where
 //      the partner may be in another warp; one rounding to the output type.
 //
+// With more tokens than half the grid, one or two vectors a thread and no RoPE or RoPE in
+// registers, the fused op runs qk_rmsnorm_group_kernel instead (below): a block holds a group of
+// tokens in registers across the exchange.
+//
 // QkKernels<T> (kernels.h) launches and preloads the instantiations of one dtype: each dtype's
 // are compiled in a translation unit of their own (CMakeLists.txt), and qknorm.cu binds a call
 // to its dtype's.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include "core/calls.h"
 #include "core/error.h"
@@ -62,8 +69,9 @@ RopePath rope_path(const QkCall& p, int elements, int vecs_per_thread) {
 // kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to
 // p.sums instead of sending them; kNormFromSums skips steps 2-3 and takes the global sums from
 // p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
-// kLoadAhead (launches with several tokens a block, one or two vectors a thread; the host
-// picks it): a block loads its next token's vectors while it works on the current one. A separate
+// kLoadAhead (launches with several tokens a block, one or two vectors a thread, RoPE through
+// shared memory: the layouts the many-token kernel does not take; the host picks it): a block
+// loads its next token's vectors while it works on the current one. A separate
 // instantiation, because its second set of registers measured slower in the one-token kernel.
 template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, QkPass kPass,
           bool kLoadAhead = false>
@@ -395,6 +403,287 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if constexpr (kFused) check_header(session, p.exchange, p.signature, early_headers);
 }
 
+// The many-token form of the fused kernel (launches with more tokens than resident blocks, one
+// or two vectors a thread, no RoPE or RoPE in registers): a block takes kGroup consecutive tokens
+// at a time and holds all of them in registers across the exchange, so each token is read once
+// and a group costs two barriers instead of four a token. Per group:
+//   1. every thread loads its vectors of the group's tokens (kGroup loads in flight) and, with
+//      RoPE, the block copies the tokens' cos/sin rows into shared memory;
+//   2. per token, each thread's sums of squares and their warp sums (block_sum2's first stage);
+//      barrier A; warp g finishes token g's block sum (block_sum2's second stage: the same
+//      additions in the same order, so the bits of the one-token kernel and of the halves) and
+//      its lane 0 sends the packet; in the first group, step 3 of the one-token kernel (arrival,
+//      trigger, clear, the early headers);
+//   3. lane 0 of warp g polls token g's packets (the thread that stored this rank's own packet
+//      reads it back, as lamport.h requires) and writes the two scales; barrier B;
+//   4. every thread normalizes, rotates and stores the group's tokens from its registers.
+// Shared memory alternates between two buffers by group, so no barrier is needed after step 4:
+// a buffer is written again two groups later, after a barrier every thread passes only once it
+// has finished with it. Blocks wait on peers group by group; tokens go to blocks in increasing
+// order, so the lowest token any block waits for has always been sent (no deadlock whatever the
+// peers' grids). The grid is at most what is resident at once, as for the one-token kernel.
+template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, int kGroup>
+__global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkCall p) {
+  static_assert(kRope != RopePath::kShared, "the shared-memory RoPE takes a token at a time");
+  constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
+  constexpr int kElements = Packed<T>::kElements;
+  ControlBlock* const control = p.exchange.control;
+  const int64_t q_vectors = p.q_size / kElements;
+  const int64_t vectors = (p.q_size + p.kv_size) / kElements;
+  const int64_t row = p.q_size + 2 * p.kv_size;
+  const int64_t groups = (p.tokens + kGroup - 1) / kGroup;
+  const int lane = int(threadIdx.x % 32);
+  const int warp = int(threadIdx.x / 32);
+  const int warps = int((blockDim.x + 31) / 32);
+  // kRegisters: two buffers of kGroup cos/sin rows.
+  extern __shared__ float rope_shared[];
+  __shared__ float2 warp_sums[2][kGroup][32];
+  __shared__ float shared_scale[2][kGroup][2];
+  __shared__ bool bad_position[2][kGroup];
+  __shared__ CallState shared_state;
+  __shared__ EarlyHeaders early_headers;
+
+  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
+  Vec16 values[kGroup][kVecsPerThread];
+  const auto load_group = [&](int64_t first) {
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (first + g >= p.tokens) break;
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c < vectors) values[g][i] = load_vector(p.qkv, ((first + g) * row) / kElements + c);
+      }
+    }
+  };
+  const auto bounded_position = [&](int64_t position) {
+    return position >= 0 && position < p.max_position ? position : int64_t(-1);
+  };
+  // A position outside [0, max_position) reads row 0 of the cache; its token's outputs are NaN
+  // and the error is recorded in step 3, as in the one-token kernel.
+  const auto load_rope_rows = [&](int64_t first, int buffer) {
+    if constexpr (kRopeRegisters) {
+      float* const rows = rope_shared + buffer * kGroup * p.rotary_dim;
+      for (int64_t e = threadIdx.x; e < kGroup * p.rotary_dim; e += blockDim.x) {
+        const int64_t token = first + e / p.rotary_dim;
+        if (token >= p.tokens) break;
+        const int64_t position = bounded_position(p.positions[token]);
+        rows[e] = p.cos_sin_cache[(position < 0 ? 0 : position) * p.rotary_dim + e % p.rotary_dim];
+      }
+    }
+  };
+
+  grid_dependency_wait();
+  CallState state{0, 0, 0};
+  if (threadIdx.x == 0) {
+    state = read_call_state<GridCoop>(control);
+    shared_state = state;
+  }
+  load_group(int64_t(blockIdx.x) * kGroup);
+  load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
+  if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0) {
+    const GpuSession<kWorldSize> sender(state);
+#pragma unroll
+    for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+      if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
+      if (r == p.exchange.rank) continue;
+      store_packet(
+          reinterpret_cast<Vec16*>(p.exchange.workspace[r] + sender.header_send_offset(p.exchange)),
+          p.signature.header);
+    }
+  }
+  Vec16 gammas[kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    const int64_t c = vector_of(i);
+    if (c < vectors) {
+      gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
+    }
+  }
+  const int half = int(p.rotary_dim / 2);
+  int head_offset[kVecsPerThread];
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    head_offset[i] = kRopeRegisters ? int((vector_of(i) * kElements) % p.head_dim) : 0;
+  }
+  // A thread of a warp that sends nothing counts the block in (else lane 1 of warp 0).
+  const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
+
+  int buffer = 0;
+  for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
+    const int64_t first = group * kGroup;
+    if (group != blockIdx.x) {
+      load_group(first);
+      load_rope_rows(first, buffer);
+    }
+    // 2. Sums of squares per token: this thread's, then its warp's.
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      float2 sums = make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c >= vectors || first + g >= p.tokens) continue;
+        const float squares = vector_sum_squares<T>(values[g][i]);
+        if (c < q_vectors) {
+          sums.x += squares;
+        } else {
+          sums.y += squares;
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
+        sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
+      }
+      if (lane == 0) warp_sums[buffer][g][warp] = sums;
+    }
+    __syncthreads();  // A: the warp sums, and (first group) what thread 0 read
+    if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
+    const GpuSession<kWorldSize> session(shared_state);
+    const int64_t token = first + warp;
+    const bool sender = warp < kGroup && token < p.tokens;
+    if (sender) {
+      float2 sums = lane < warps ? warp_sums[buffer][warp][lane] : make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
+        sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
+      }
+      if (lane == 0) {
+        const size_t send_offset = session.send_offset(p.exchange);
+        const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
+#pragma unroll
+        for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+          if (kWorldSize == 0 && r >= session.world(p.exchange)) break;
+          store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
+                       packet);
+        }
+      }
+    }
+    if (group == blockIdx.x) {
+      // The one-token kernel's step 3, once a call.
+      if (threadIdx.x == arriver) session.arrive(control, uint64_t(p.tokens) * sizeof(Vec16));
+      launch_dependents();
+      session.clear_previous(p.exchange);
+      fetch_headers(session, p.exchange, early_headers);
+    }
+    // 3. Receive: W polls in flight, the sum in rank order, the scales.
+    if (sender && lane == 0) {
+      constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorldSize;
+      const int world = session.world(p.exchange);
+      const char* slot_base = session.receive_region(p.exchange, 0);
+      const auto address = [&](int r) {
+        return reinterpret_cast<const Vec16*>(slot_base + r * p.exchange.packet_bytes) + token;
+      };
+      // A world size known at compile time loads every packet before waiting for the first;
+      // the runtime form polls one at a time (an array of kMaxWorldSize packets would spill).
+      constexpr int kInFlight = kWorldSize > 0 ? kWorldSize : 1;
+      Vec16 packets[kInFlight];
+      if constexpr (kWorldSize > 0) {
+#pragma unroll
+        for (int r = 0; r < kPolls; ++r) packets[r] = load_packet(address(r));
+      }
+      float totals[4];
+#pragma unroll
+      for (int r = 0; r < kPolls; ++r) {
+        if (r >= world) break;
+        Vec16& packet = packets[kWorldSize > 0 ? r : 0];
+        if constexpr (kWorldSize == 0) packet = load_packet(address(r));
+        if (!has_arrived(packet)) {
+          packet = wait_for_packet(address(r), session, p.exchange, p.signature, r);
+        }
+        if (r == 0) {
+          accumulate_first<float>(totals, packet);
+        } else {
+          accumulate<float>(totals, packet);
+        }
+      }
+      shared_scale[buffer][warp][0] = rms_scale(totals[0], p.q_global_size, p.eps);
+      shared_scale[buffer][warp][1] = rms_scale(totals[1], p.k_global_size, p.eps);
+      bool bad = false;
+      if constexpr (kRopeRegisters) {
+        const int64_t position = p.positions[token];
+        bad = bounded_position(position) < 0;
+        if (bad && p.exchange.errors != nullptr &&
+            atomicCAS_system(&p.exchange.errors->call_error, 0u,
+                             uint32_t(CallError::kBadPosition)) == 0u) {
+          p.exchange.errors->position_token = token;
+          p.exchange.errors->position = position;
+          p.exchange.errors->max_position = p.max_position;
+          __threadfence_system();
+        }
+      }
+      bad_position[buffer][warp] = bad;
+    }
+    __syncthreads();  // B: the scales, and the cos/sin rows
+                      // 4. Normalize, rotate, store.
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int64_t t = first + g;
+      if (t >= p.tokens) break;
+      float lanes[kVecsPerThread][kElements];
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c >= vectors) {
+#pragma unroll
+          for (int e = 0; e < kElements; ++e) lanes[i][e] = 0.0f;  // shuffled, never stored
+          continue;
+        }
+        scale_lanes<T>(values[g][i], gammas[i], shared_scale[buffer][g][c < q_vectors ? 0 : 1],
+                       lanes[i]);
+      }
+      if constexpr (kRopeRegisters) {
+        const float* const row_cos_sin = rope_shared + (buffer * kGroup + g) * p.rotary_dim;
+        const bool neox = p.rope == RopeStyle::kNeox;
+#pragma unroll
+        for (int i = 0; i < kVecsPerThread; ++i) {
+          const int j0 = head_offset[i];
+          const bool rotary = vector_of(i) < vectors && j0 < p.rotary_dim;
+          // The run of cos/sin indices of this vector, as in the one-token kernel.
+          const int start = neox ? (j0 < half ? j0 : j0 - half) : j0 / 2;
+          if (neox) {
+            const bool first_half = j0 < half;
+            const int away = half / kElements;
+            const int source = rotary ? (first_half ? lane + away : lane - away) : lane;
+#pragma unroll
+            for (int e = 0; e < kElements; ++e) {
+              const float partner = __shfl_sync(0xffffffffu, lanes[i][e], source);
+              if (rotary) {
+                lanes[i][e] = rotate(lanes[i][e], partner, row_cos_sin[start + e],
+                                     row_cos_sin[half + start + e], first_half);
+              }
+            }
+          } else if (rotary) {
+#pragma unroll
+            for (int e = 0; e < kElements; e += 2) {
+              const float c = row_cos_sin[start + e / 2], s = row_cos_sin[half + start + e / 2];
+              const float x0 = lanes[i][e], x1 = lanes[i][e + 1];
+              lanes[i][e] = rotate(x0, x1, c, s, true);
+              lanes[i][e + 1] = rotate(x1, x0, c, s, false);
+            }
+          }
+        }
+      }
+      const bool bad = kRopeRegisters && bad_position[buffer][g];
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c >= vectors) continue;
+        const Vec16 out = bad ? nan_vector() : pack<T>(lanes[i]);
+        if (c < q_vectors) {
+          store_vector(p.q_out, (t * p.q_out_stride) / kElements + c, out);
+        } else {
+          store_vector(p.k_out, (t * p.k_out_stride) / kElements + (c - q_vectors), out);
+        }
+      }
+    }
+  }
+  const GpuSession<kWorldSize> session(shared_state);
+  check_header(session, p.exchange, p.signature, early_headers);
+}
+
 // Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the
 // cos/sin row.
 size_t rope_shared_bytes(const QkCall& params, RopePath path) {
@@ -423,13 +712,40 @@ constexpr bool qk_kernel_exists() {
 
 }  // namespace
 
+// Tokens a block of the many-token kernel holds at once. Measured on one H200 (one rank,
+// MiniMax-M2's TP-2 slice, bf16, 2026-12-02): 4 was fastest or within 1% of it from 1024 tokens
+// on with RoPE (2: up to 1.2x slower, 8: up to 1.6x, its registers spill there), and within 10%
+// of 8 without.
+constexpr int kQkTokenGroup = 4;
+
+// The token count above which the fused QK norm takes the many-token kernel: half the one-token
+// kernel's grid (measured on one H200: the many-token kernel ahead at 512 tokens of MiniMax-M2's
+// TP-2 slice, behind at 256, where the one-token kernel's grid of 528 blocks runs a token each).
+// TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes the many-token kernel at any count,
+// as a test of it on few tokens does).
+inline int64_t qk_many_tokens_from(int64_t one_token_grid) {
+  static const int64_t configured = [] {
+    const char* value = std::getenv("TPFUSE_QK_MANY_TOKENS_FROM");
+    return value != nullptr && value[0] != '\0' ? std::max<long long>(0, std::atoll(value)) : -1LL;
+  }();
+  return configured >= 0 ? configured : one_token_grid / 2;
+}
+
+// The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
+// the fused kernel, its exchange with itself only).
+template <typename Fn>
+void dispatch_qk_world_size(int world_size, Fn&& fn) {
+  if (world_size == 1) return fn(IntTag<1>{});
+  dispatch_world_size(world_size, std::forward<Fn>(fn));
+}
+
 template <typename T>
 void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cudaStream_t stream) {
   // The widest block that fits (one vector a thread): more vectors a thread measured slower.
   const LaunchShape shape = launch_shape(params.q_size + params.kv_size, sizeof(T));
   const RopePath path = rope_path(params, int(16 / sizeof(T)), shape.vecs_per_thread);
   const size_t shared_bytes = rope_shared_bytes(params, path);
-  dispatch_world_size(params.exchange.world_size, [&](auto world_tag) {
+  dispatch_qk_world_size(params.exchange.world_size, [&](auto world_tag) {
     constexpr int kWorld = decltype(world_tag)::value;
     dispatch_vecs(shape.vecs_per_thread, [&](auto vecs_tag) {
       constexpr int kVecs = decltype(vecs_tag)::value;
@@ -438,10 +754,10 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
         if constexpr (!qk_kernel_exists<kRope, kVecs>()) {
           TPF_FAIL("no QK-norm kernel with RoPE in registers for " << kVecs << " vectors");
         } else {
-          // The grid is at most what is resident at once (blocks wait on peers). Launches with
-          // more than twice as many tokens as resident blocks take the kernel that loads a
-          // token ahead, where it exists: with fewer tokens a block its larger register set,
-          // which fits fewer blocks, measured slower.
+          // The grid is at most what is resident at once (blocks wait on peers). Many tokens
+          // take the many-token kernel where it exists; else, with more than twice as many
+          // tokens as resident blocks, the kernel that loads a token ahead (with fewer tokens a
+          // block its larger register set, which fits fewer blocks, measured slower).
           const auto resident = [&](auto kernel) {
             return team.multiprocessors *
                    resident_blocks_per_multiprocessor(kernel, shape.threads, shared_bytes);
@@ -451,6 +767,22 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
             launch(kernel, blocks, shape.threads, shared_bytes, stream, params);
           };
           const auto one_by_one = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>;
+          if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
+            // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
+            if (shape.threads >= 32 * kQkTokenGroup &&
+                params.tokens > qk_many_tokens_from(resident(one_by_one))) {
+              constexpr int kGroup = kQkTokenGroup;
+              const auto kernel = qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup>;
+              const size_t bytes = kRope == RopePath::kRegisters
+                                       ? size_t(2 * kGroup * params.rotary_dim) * sizeof(float)
+                                       : 0;
+              const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
+              const int blocks = int(std::min<int64_t>(
+                  groups, team.multiprocessors *
+                              resident_blocks_per_multiprocessor(kernel, shape.threads, bytes)));
+              return launch(kernel, blocks, shape.threads, bytes, stream, params);
+            }
+          }
           if constexpr (kVecs <= 2) {
             if (params.tokens > 2 * int64_t(resident(one_by_one))) {
               return run(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused, true>);
@@ -465,7 +797,7 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
 
 template <typename T>
 void QkKernels<T>::preload_kernels(int world_size) {
-  dispatch_world_size(world_size, [&](auto world_tag) {
+  dispatch_qk_world_size(world_size, [&](auto world_tag) {
     constexpr int kWorld = decltype(world_tag)::value;
     for (int vecs : {1, 2, 4, 8}) {
       dispatch_vecs(vecs, [&](auto vecs_tag) {
@@ -478,6 +810,9 @@ void QkKernels<T>::preload_kernels(int world_size) {
               preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>);
               if constexpr (kVecs <= 2) {
                 preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused, true>);
+              }
+              if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
+                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup>);
               }
               preload(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>);
             }

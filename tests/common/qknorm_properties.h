@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -384,42 +385,80 @@ inline void check_qk_adversarial(Harness& h, uint64_t seed) {
 
 // The local halves (qk_sum_squares on every rank, the sums added in rank order in fp32, then
 // qk_rmsnorm_from_sums) give the fused op's bits exactly: the NCCL path's contract.
-inline void check_qk_halves_match_fused(Harness& h, uint64_t seed) {
-  std::mt19937_64 rng(seed);
+inline void expect_halves_give_fused_bits(Harness& h, const QkSpec& s, const QkData& d,
+                                          const QkResult& fused) {
   const int world = h.world_size();
   const Backend backend = h.team()[0].backend();
+  const std::vector<QkBuffers> b = upload_qk(h, s, d);
+  std::vector<std::vector<float>> local(world, std::vector<float>(size_t(2 * s.tokens)));
+  std::vector<float> global(size_t(2 * s.tokens));
+  std::vector<void*> sums(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) sums[r] = h.allocate(r, global.size() * 4);
+  h.run([&](int r, cudaStream_t stream) {
+    qk_sum_squares(backend, qk_args(s, b[r], d.max_position, world), r % s.kv_replicas == 0,
+                   static_cast<float*>(sums[r]), stream);
+  });
+  // The all-reduce, on the host: fp32, rank order 0..W-1, as the fused op's packets.
+  for (int r = 0; r < world; ++r) {
+    h.download(r, local[r].data(), sums[r], local[r].size() * 4);
+    for (size_t i = 0; i < global.size(); ++i) {
+      global[i] = r == 0 ? local[0][i] : global[i] + local[r][i];
+    }
+  }
+  for (int r = 0; r < world; ++r) h.upload(r, sums[r], global.data(), global.size() * 4);
+  h.run([&](int r, cudaStream_t stream) {
+    qk_rmsnorm_from_sums(backend, qk_args(s, b[r], d.max_position, world),
+                         static_cast<const float*>(sums[r]), stream);
+  });
+  const QkResult halves = download_qk(h, s, d, b);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(halves.q[r].bytes == fused.q[r].bytes) << describe(s) << ": q of rank " << r;
+    EXPECT_TRUE(halves.k[r].bytes == fused.k[r].bytes) << describe(s) << ": k of rank " << r;
+  }
+}
+
+inline void check_qk_halves_match_fused(Harness& h, uint64_t seed) {
+  std::mt19937_64 rng(seed);
   for (int c = 0; c < 6; ++c) {
-    QkSpec s = random_qk_spec(rng, world);
+    QkSpec s = random_qk_spec(rng, h.world_size());
     s.in_place = false;
-    const QkData d = random_qk_data(rng, s, world);
-    const QkResult fused = run_qk(h, s, d);
-    const std::vector<QkBuffers> b = upload_qk(h, s, d);
-    std::vector<std::vector<float>> local(world, std::vector<float>(size_t(2 * s.tokens)));
-    std::vector<float> global(size_t(2 * s.tokens));
-    std::vector<void*> sums(static_cast<size_t>(world));
-    for (int r = 0; r < world; ++r) sums[r] = h.allocate(r, global.size() * 4);
-    h.run([&](int r, cudaStream_t stream) {
-      qk_sum_squares(backend, qk_args(s, b[r], d.max_position, world), r % s.kv_replicas == 0,
-                     static_cast<float*>(sums[r]), stream);
-    });
-    // The all-reduce, on the host: fp32, rank order 0..W-1, as the fused op's packets.
-    for (int r = 0; r < world; ++r) {
-      h.download(r, local[r].data(), sums[r], local[r].size() * 4);
-      for (size_t i = 0; i < global.size(); ++i) {
-        global[i] = r == 0 ? local[0][i] : global[i] + local[r][i];
+    const QkData d = random_qk_data(rng, s, h.world_size());
+    expect_halves_give_fused_bits(h, s, d, run_qk(h, s, d));
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// More tokens than a GPU's grid holds at once (blocks take several tokens each, the many-token
+// kernel, which holds a group of tokens across the exchange): MiniMax-M2's heads for this world
+// size in bf16 (one vector a thread) and fp32 (two), token counts that are no multiple of a group,
+// every RoPE style, in place and not: the float64 reference, the halves' bits, and a repeat's
+// bits. GPU suites only (the CPU reference of this many tokens is slow).
+inline void check_qk_many_tokens(Harness& h, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int world = h.world_size();
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (const int64_t tokens : {1100, 2349}) {
+      for (const RopeStyle rope : {RopeStyle::kNone, RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+        QkSpec s;
+        s.dtype = dtype;
+        s.heads = std::max(1, 48 / world);
+        s.kv_heads = std::max(1, 8 / world);
+        s.kv_replicas = world > 8 ? world / 8 : 1;
+        s.rope = rope;
+        s.tokens = tokens;
+        s.in_place = tokens == 2349 && rope != RopeStyle::kInterleaved;
+        const QkData d = random_qk_data(rng, s, world);
+        const QkResult fused = run_qk(h, s, d);
+        expect_qk_correct(s, d, fused, world);
+        const QkResult again = run_qk(h, s, d);
+        for (int r = 0; r < world; ++r) {
+          EXPECT_TRUE(again.q[r].bytes == fused.q[r].bytes) << describe(s) << " repeat rank " << r;
+          EXPECT_TRUE(again.k[r].bytes == fused.k[r].bytes) << describe(s) << " repeat rank " << r;
+        }
+        if (!s.in_place) expect_halves_give_fused_bits(h, s, d, fused);
+        if (::testing::Test::HasFailure()) return;
       }
     }
-    for (int r = 0; r < world; ++r) h.upload(r, sums[r], global.data(), global.size() * 4);
-    h.run([&](int r, cudaStream_t stream) {
-      qk_rmsnorm_from_sums(backend, qk_args(s, b[r], d.max_position, world),
-                           static_cast<const float*>(sums[r]), stream);
-    });
-    const QkResult halves = download_qk(h, s, d, b);
-    for (int r = 0; r < world; ++r) {
-      EXPECT_TRUE(halves.q[r].bytes == fused.q[r].bytes) << describe(s) << ": q of rank " << r;
-      EXPECT_TRUE(halves.k[r].bytes == fused.k[r].bytes) << describe(s) << ": k of rank " << r;
-    }
-    if (::testing::Test::HasFailure()) return;
   }
 }
 

@@ -74,6 +74,11 @@ TEST_F(GpuQkNorm, MiniMaxShapesManyTokens) {
   }
 }
 
+TEST_F(GpuQkNorm, ManyTokensReferenceHalvesAndRepeats) {
+  CudaHarness harness(gpus());
+  check_qk_many_tokens(harness, 507);
+}
+
 // Each rank captures a QK-norm call with RoPE (in place) followed by one without RoPE (into
 // separate outputs) into a CUDA graph; 1,000 replays on fresh inputs, every replay checked.
 TEST_F(GpuQkNorm, CudaGraphReplaysOnFreshInputs) {
