@@ -57,23 +57,37 @@ __global__ void __maxnreg__(56) local_epilogue_kernel_56(const RowCall p) {
   local_epilogue_rows<T, Epilogue, kVecsPerThread>(p);
 }
 
-// The FP8 forms with two vectors a thread (MoE aside; hidden 4104-8192 in bf16) held to 72
-// registers: two blocks of up to 512 threads resident instead of one (uncapped they take 101 at
-// hidden 7168).
+// The FP8 forms with two vectors a thread (MoE aside; hidden 4104-8192 in bf16) take 101
+// registers at hidden 7168: one block of 448 threads a multiprocessor. Held to 72 (with spills),
+// two fit. Measured on one H200 at hidden 7168 (bench/results/h200-20261202-eee69af-one-gpu.json's
+// A/B): faster for the dynamic scales from 512 tokens on (0.93x at 1024, 0.91x at 4096), slower
+// for the static scale at every count and for every mode below 512 tokens (1.2x at 1-64): the
+// launch picks it for the dynamic modes from kCappedFrom tokens.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __global__ void __maxnreg__(72) local_epilogue_kernel_72(const RowCall p) {
   local_epilogue_rows<T, Epilogue, kVecsPerThread>(p);
 }
 
+constexpr int64_t kCappedFrom = 512;
+
 template <typename T, typename Epilogue, int kVecsPerThread>
 constexpr auto local_kernel() {
   if constexpr (Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 1) {
     return local_epilogue_kernel_56<T, Epilogue, kVecsPerThread>;
-  } else if constexpr (Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 2) {
-    return local_epilogue_kernel_72<T, Epilogue, kVecsPerThread>;
   } else {
     return local_epilogue_kernel<T, Epilogue, kVecsPerThread>;
   }
+}
+
+// Whether a call takes the 72-register form (above).
+template <typename Epilogue, int kVecsPerThread>
+constexpr bool has_capped_form() {
+  return Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 2;
+}
+
+bool takes_capped_form(const RowCall& call) {
+  return call.tokens >= kCappedFrom &&
+         (call.quant == QuantMode::kPerToken || call.quant == QuantMode::kPerTokenGroup128);
 }
 
 // The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces.
@@ -114,6 +128,12 @@ void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind
   TPF_CHECK_ARG(epilogue.norm, "local epilogue", "a plain sum has no local epilogue");
   launch_local(call, dtype, epilogue, [&](auto kernel_tag, int blocks, int threads) {
     using Tag = decltype(kernel_tag);
+    if constexpr (has_capped_form<typename Tag::Epilogue, Tag::kVecs>()) {
+      if (takes_capped_form(call)) {
+        return launch(local_epilogue_kernel_72<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>,
+                      blocks, threads, 0, stream, call);
+      }
+    }
     if constexpr (Tag::Epilogue::kHasNorm) {
       launch(local_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>(), blocks, threads,
              0, stream, call);
@@ -138,6 +158,9 @@ void cuda_preload_local_kernels() {
     using Tag = decltype(kernel_tag);
     if constexpr (Tag::Epilogue::kHasNorm) {
       preload(local_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>());
+    }
+    if constexpr (has_capped_form<typename Tag::Epilogue, Tag::kVecs>()) {
+      preload(local_epilogue_kernel_72<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);
     }
     if constexpr (Tag::Epilogue::kHasMoe) {
       preload(moe_combine_kernel<typename Tag::T, typename Tag::Epilogue, Tag::kVecs>);

@@ -25,7 +25,7 @@
 //      neox partner from another lane of the warp, or through shared memory for layouts where
 //      the partner may be in another warp; one rounding to the output type.
 //
-// With more tokens than half the grid, one or two vectors a thread and no RoPE or RoPE in
+// With many tokens (takes_many_token_kernel), one or two vectors a thread and no RoPE or RoPE in
 // registers, the fused op runs qk_rmsnorm_group_kernel instead (below): a block holds a group of
 // tokens in registers across the exchange.
 //
@@ -718,17 +718,19 @@ constexpr bool qk_kernel_exists() {
 // of 8 without.
 constexpr int kQkTokenGroup = 4;
 
-// The token count above which the fused QK norm takes the many-token kernel: half the one-token
-// kernel's grid (measured on one H200: the many-token kernel ahead at 512 tokens of MiniMax-M2's
-// TP-2 slice, behind at 256, where the one-token kernel's grid of 528 blocks runs a token each).
-// TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes the many-token kernel at any count,
-// as a test of it on few tokens does).
-inline int64_t qk_many_tokens_from(int64_t one_token_grid) {
+// Whether the fused QK norm takes the many-token kernel, whose grid (`group_grid`: its resident
+// blocks) holds kQkTokenGroup tokens a block: from a quarter of that grid's tokens. Measured on one
+// H200 (one rank, bf16, 2026-12-02, bench/results/h200-20261202-eee69af-one-gpu.json and the
+// experiments beside it): at MiniMax-M2's TP-2 slice (a grid of 264) ahead from 512 tokens,
+// behind at 256; at its one-rank width with RoPE (a grid of 132) behind at 128 (7.41 against
+// 5.85 us), ahead from 512. TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes the
+// many-token kernel at any count, as a test of it on few tokens does).
+inline bool takes_many_token_kernel(int64_t tokens, int64_t group_grid) {
   static const int64_t configured = [] {
     const char* value = std::getenv("TPFUSE_QK_MANY_TOKENS_FROM");
     return value != nullptr && value[0] != '\0' ? std::max<long long>(0, std::atoll(value)) : -1LL;
   }();
-  return configured >= 0 ? configured : one_token_grid / 2;
+  return tokens > (configured >= 0 ? configured : kQkTokenGroup * group_grid / 4);
 }
 
 // The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
@@ -769,18 +771,19 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           const auto one_by_one = qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused>;
           if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
             // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
-            if (shape.threads >= 32 * kQkTokenGroup &&
-                params.tokens > qk_many_tokens_from(resident(one_by_one))) {
-              constexpr int kGroup = kQkTokenGroup;
-              const auto kernel = qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup>;
-              const size_t bytes = kRope == RopePath::kRegisters
-                                       ? size_t(2 * kGroup * params.rotary_dim) * sizeof(float)
-                                       : 0;
-              const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
-              const int blocks = int(std::min<int64_t>(
-                  groups, team.multiprocessors *
-                              resident_blocks_per_multiprocessor(kernel, shape.threads, bytes)));
-              return launch(kernel, blocks, shape.threads, bytes, stream, params);
+            constexpr int kGroup = kQkTokenGroup;
+            const auto kernel = qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup>;
+            const size_t bytes = kRope == RopePath::kRegisters
+                                     ? size_t(2 * kGroup * params.rotary_dim) * sizeof(float)
+                                     : 0;
+            if (shape.threads >= 32 * kGroup) {
+              const int64_t grid = int64_t(team.multiprocessors) *
+                                   resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
+              if (takes_many_token_kernel(params.tokens, grid)) {
+                const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
+                return launch(kernel, int(std::min(groups, grid)), shape.threads, bytes, stream,
+                              params);
+              }
             }
           }
           if constexpr (kVecs <= 2) {
