@@ -7,7 +7,8 @@
 # peers: bench/peers.py (FlashInfer, torch symmetric memory, tpfuse from torch, the local kernels)
 # into the bench step's results file; PEERS_ARGS narrows it. python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
 # passes under CUDA graphs), bench/torch_host_overhead.py and bench/torch_qk_baseline.py. e2e:
-# the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it). profile: Nsight
+# the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it, E2E_ARGS=--fp8 ... runs
+# its FP8 model). profile: Nsight
 # Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it

@@ -23,6 +23,17 @@ Modes (same weights, same inputs):
             (c) on a team of one rank per process (the same fused kernels, no exchange; wrong
             outputs): the floor of (c)
 
+--fp8: the FP8 model (model.py: E4M3 attention and expert weights with 128x128 block scales,
+activations per token group of 128, torch's block-scaled GEMM on CUDA), every mode as above; the
+norms before FP8 GEMMs quantize their output (tpfuse: the ops' FP8 forms; (d): the passes fold the
+quantization in; the unfused modes: torch ops after the norm). The compiled unfused layers ((d) and
+its control) write that norm as HF's MiniMax-M2 does, rounding before the weight (model.py:
+rms_norm_native), where the eager modes keep F.rms_norm, which rounds once as tpfuse's op does: a
+last-bit difference that FP8 turns into a step of E4M3, and at a near-tied router an expert choice
+(their logits then differ by more than rounding). Records carry "fp8"; the run's info
+has the layer-0 GEMM check (fp8_matmul against its definition and against bf16), and the compiled
+mode's records the FP8 sites its passes rewrote.
+
 Each (mode, batch, context, layer count) is timed as a CUDA graph of one decode step (the step
 feeds its argmax back as the next tokens and advances the positions), replayed; the median replay
 is the step time. Two layer counts give the per-layer slope and a projection to 62 layers
@@ -65,6 +76,7 @@ from model import (  # noqa: E402
     grouped_gemm_works,
     relative_error,
     rms_norm,
+    rms_norm_native,
     rope,
     tokens_per_second,
 )
@@ -75,6 +87,11 @@ MODES = ("nccl", "symm_mem", "tpfuse", "tpfuse_compiled", "compiled", "inductor"
 LOCAL_MODES = ("local", "tpfuse_local")
 FLOORS = {"nccl": "local", "symm_mem": "local", "tpfuse": "tpfuse_local"}
 COMPILED_MODES = ("tpfuse_compiled", "compiled", "inductor")
+# The FP8 sites of one compiled layer: the post-attention norm (the experts' input) and the
+# post-MoE norm (the next layer's qkv input), each quantized per token group of 128.
+FP8_SITES_PER_LAYER = 2
+FP8_STAT = "allreduce_add_rmsnorm_fp8_group128"
+QUANT_GROUP_128 = 3  # tpfuse.Quant.PER_TOKEN_GROUP_128
 
 
 def _split_qk(qkv, config, local):
@@ -84,7 +101,8 @@ def _split_qk(qkv, config, local):
 
 # The unfused modes' RoPE as one compiled kernel: engines run RoPE as one custom kernel, not as
 # the ~20 elementwise kernels of the native form. (Mode (d) compiles the whole layer, native
-# RoPE included, which its passes fold into the QK-norm op.)
+# RoPE included, which its passes fold into the QK-norm op.) The CPU smoke run rotates eagerly:
+# compiling there (again after each dynamo reset) costs the run more than anything it measures.
 _compiled_rope = torch.compile(rope, fullgraph=True)
 
 
@@ -100,8 +118,9 @@ def _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, reduce, r
     q_var, k_var = variance.chunk(2, dim=-1)
     q = (qf * torch.rsqrt(q_var + config.eps) * w["q_norm"]).to(qkv.dtype)
     k = (kf * torch.rsqrt(k_var + config.eps) * w["k_norm"]).to(qkv.dtype)
-    return (rope_fn or _compiled_rope)(positions, q, k, cos_sin, config.head_dim,
-                                       config.rotary_dim)
+    if rope_fn is None:
+        rope_fn = _compiled_rope if qkv.is_cuda else rope
+    return rope_fn(positions, q, k, cos_sin, config.head_dim, config.rotary_dim)
 
 
 class _Gather:
@@ -122,6 +141,7 @@ class _Gather:
 
 class Nccl(_Gather, Collectives):
     name = "nccl"
+    norm = staticmethod(rms_norm)
 
     def _reduce(self, x):
         import torch.distributed as dist
@@ -131,7 +151,7 @@ class Nccl(_Gather, Collectives):
 
     def add_rms_norm(self, partial, residual, weight, eps):
         residual = self._reduce(partial) + residual
-        return rms_norm(residual, weight, eps), residual
+        return self.norm(residual, weight, eps), residual
 
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
         return _qk_norm_unfused(qkv, w, positions, cos_sin, config, local, world, self._reduce)
@@ -142,6 +162,13 @@ class Functional(Nccl):
     compiles it with tpfuse's passes installed."""
 
     name = "compiled"
+
+    def __init__(self, group, world, fp8=False):
+        super().__init__(group, world)
+        if fp8:
+            # The norm as models write it: F.rms_norm's rounding does not survive Inductor when its
+            # output is quantized (model.rms_norm_native), and neither would the site.
+            self.norm = rms_norm_native
 
     def _reduce(self, x):
         import torch.distributed._functional_collectives as funcol
@@ -201,6 +228,18 @@ class Tpfuse(_Gather, Collectives):
         return self.ops.allreduce_moe_finalize_add_rmsnorm(self.team, rows, weights, residual,
                                                            weight, eps)
 
+    # The FP8 forms: the norm's FP8 output from the same kernel, its scales column-major as the
+    # block-scaled GEMM reads them. The torch ops themselves: dynamo does not trace the wrappers'
+    # lookup of the quant mode (a dict built from the enum).
+    def add_rms_norm_fp8(self, partial, residual, weight, eps):
+        return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(
+            self.team.handle, partial, residual, weight, eps, QUANT_GROUP_128, None, True, 0, 0)
+
+    def moe_add_rms_norm_fp8(self, rows, weights, residual, weight, eps):
+        return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8(
+            self.team.handle, rows, weights, residual, weight, eps, QUANT_GROUP_128, None, True,
+            None, 0)
+
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
         q_size, kv_size = local.heads * config.head_dim, local.kv_heads * config.head_dim
         return self.ops.allreduce_qk_rmsnorm(
@@ -237,10 +276,13 @@ class Runner:
         self.args, self.rank, self.world, self.device, self.group = args, rank, world, device, group
         self.config = Config(layers=max(args.layers), experts=args.experts, vocab=args.vocab)
         if args.small:
+            # FP8 GEMMs take whole 128-blocks: the experts' intermediate width 128 per rank at 2.
             self.config = Config(hidden=256, heads=4, kv_heads=2, head_dim=64, rotary_dim=32,
-                                 experts=8, top_k=2, expert_inter=128, vocab=512,
-                                 layers=max(args.layers), max_position=4096)
-        self.weights = Weights(self.config, rank, world, device)
+                                 experts=8, top_k=2, expert_inter=256 if args.fp8 else 128,
+                                 vocab=512, layers=max(args.layers), max_position=4096)
+        self.weights = Weights(self.config, rank, world, device, fp8=args.fp8)
+        if args.fp8:
+            self.check_fp8_gemms()
         self.grouped = grouped_gemm_works(device)
         self.cuda = device.type == "cuda"
         self.team = self.local_team = None
@@ -252,11 +294,19 @@ class Runner:
             else:
                 self.team = tpfuse.Team.from_group(group)
 
+    def check_fp8_gemms(self):
+        """Refuses to time an FP8 model whose block-scaled GEMM does not compute its definition
+        (a scale layout read otherwise than written would give wrong numbers, not an error)."""
+        worst = max(c["rel_err_vs_dequantized"] for c in self.weights.fp8_check.values())
+        if worst > 1e-2:
+            raise RuntimeError(f"FP8 GEMM check: {worst:.3g} relative error against the "
+                               f"dequantized product ({self.weights.fp8_check})")
+
     def collectives(self, mode, batch):
         if mode == "nccl":
             return Nccl(self.group, self.world)
         if mode in ("compiled", "inductor"):
-            return Functional(self.group, self.world)
+            return Functional(self.group, self.world, fp8=self.args.fp8)
         if mode == "local":
             return Local(self.group, self.world)
         if mode in ("tpfuse", "tpfuse_compiled"):
@@ -283,6 +333,10 @@ class Runner:
 
     def run(self):
         records = []
+        if self.args.fp8:
+            # Not a timing: main() moves it into the results' info.
+            records.append({"kind": "fp8_gemm_check", "rank": self.rank,
+                            "check": self.weights.fp8_check})
         for batch in self.args.batches:
             for context in self.args.contexts:
                 cache = KvCache(self.config, self.weights.local, batch, context, self.rank,
@@ -322,6 +376,15 @@ class Runner:
                                     "all_reduce" in op for op in after)
                                 record["last_graph_tpfuse_ops"] = sum(
                                     op.startswith("tpfuse.") for op in after)
+                                if self.args.fp8:
+                                    record["last_graph_tpfuse_fp8_ops"] = sum(
+                                        op.startswith("tpfuse.") and "_fp8" in op
+                                        for op in after)
+                            if self.args.fp8:
+                                # Per layer graph: the two norms' quantizations, folded in.
+                                record["fp8_sites_rewritten"] = fusion.stats[FP8_STAT]
+                                record["fp8_sites_expected"] = (FP8_SITES_PER_LAYER
+                                                                * len(fusion.graphs))
                         # 'local' computes without collectives: its outputs are not comparable.
                         if layers == max(self.args.layers) and mode not in LOCAL_MODES:
                             tokens, logits, margins = self.greedy(decoder, cache, batch,
@@ -476,9 +539,11 @@ class Runner:
 
     def record(self, mode, batch, context, layers, error=None):
         c = self.config
+        moe = "grouped_mm" if self.grouped else "gathered_bmm"
         record = {
             "mode": mode, "batch": batch, "context": context, "layers": layers,
-            "world_size": self.world, "moe": "grouped_mm" if self.grouped else "gathered_bmm",
+            "world_size": self.world, "fp8": self.args.fp8,
+            "moe": "fp8_gathered_pairs" if self.args.fp8 else moe,
             "config": {"hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
                        "head_dim": c.head_dim, "rotary_dim": c.rotary_dim, "experts": c.experts,
                        "top_k": c.top_k, "expert_inter": c.expert_inter, "vocab": c.vocab},
@@ -513,6 +578,7 @@ def summarize(records):
     for (mode, batch, context), by_layers in sorted(by_key.items()):
         counts = sorted(by_layers)
         entry = {"mode": mode, "batch": batch, "context": context,
+                 "fp8": by_layers[counts[0]].get("fp8", False),
                  "ms_per_step": {str(n): by_layers[n]["ms_per_step"] for n in counts}}
         if len(counts) >= 2:
             low, high = counts[0], counts[-1]
@@ -527,7 +593,8 @@ def summarize(records):
                      "forced_steps_argmax_differs", "forced_nccl_top2_margin_max_where_differs",
                      "repeat_greedy_steps_equal", "repeat_logits_rel_err",
                      "pass_rewrites", "graphs_compiled", "last_graph_all_reduces_left",
-                     "last_graph_tpfuse_ops"):
+                     "last_graph_tpfuse_ops", "last_graph_tpfuse_fp8_ops", "fp8_sites_rewritten",
+                     "fp8_sites_expected"):
             if name in top:
                 entry[name] = top[name]
         summary.append(entry)
@@ -562,6 +629,24 @@ def print_summary(summary):
               f"{fmt('forced_logits_rel_err_max', '10.2e')} "
               f"{fmt('forced_steps_argmax_differs', '11d')} "
               f"{fmt('forced_nccl_top2_margin_max_where_differs', '7.3f')}")
+    for s in summary:
+        if "fp8_sites_rewritten" in s:
+            print(f"{s['mode']} batch {s['batch']} context {s['context']}: the passes rewrote "
+                  f"{s['fp8_sites_rewritten']} of {s['fp8_sites_expected']} FP8 sites "
+                  f"(last graph: {s.get('last_graph_tpfuse_fp8_ops', 0)} tpfuse FP8 ops)")
+
+
+# What the FP8 mode runs (the results' info says it, beside the layer-0 GEMM check).
+FP8_FORMAT = {
+    "weights": "float8_e4m3fn, qkv / o / experts' gate-up and down, one fp32 scale per 128x128 "
+               "block (max(amax, 1e-10) / 448), quantized from the bf16 model's weights",
+    "activations": "float8_e4m3fn per token and group of 128 channels, dynamic fp32 scales",
+    "gemm_cuda": "aten._scaled_mm_v2 (torch.nn.functional.scaled_mm's op), BlockWise1x128 x "
+                 "BlockWise128x128, bf16 out",
+    "gemm_other": "both operands dequantized to fp32, one matmul, rounded to bf16",
+    "experts": "FP8 weights gathered per (token, expert) pair, up to 16 pairs a block-scaled GEMM "
+               "(block diagonal kept): torch 2.11 has no block-scaled grouped GEMM on Hopper",
+}
 
 
 def init_rank(rank, world, cpu, store_path):
@@ -658,6 +743,9 @@ def parse_args(argv=None):
                         help="the CPU run: gloo, one process a rank, tpfuse's CPU backend over "
                              "shared memory")
     parser.add_argument("--small", action="store_true", help="a tiny config (smoke tests)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the FP8 model (block-scaled E4M3 attention and expert weights, "
+                             "activations per token group of 128; see model.py)")
     parser.add_argument("--sdpa", default="flash",
                         choices=("default", "flash", "efficient", "cudnn", "math"),
                         help="the attention backend (default flash: torch's own choice for "
@@ -680,14 +768,22 @@ def main(argv=None):
             print("no CUDA GPUs: run with --cpu for the CPU smoke run", file=sys.stderr)
             return 2
         world = args.world or torch.cuda.device_count()
-    info = dict(run_info(args.cpu, world), sdpa=args.sdpa)
+    info = dict(run_info(args.cpu, world), sdpa=args.sdpa, fp8=args.fp8)
     # The file is made now, so that the ranks' partial records go beside it under its name.
-    args.out = results_path.reserve(args, info["device"], world, info["commit"], "e2e")
+    args.out = results_path.reserve(args, info["device"], world, info["commit"],
+                                    "e2e-fp8" if args.fp8 else "e2e")
     records = run_ranks(_rank_main, world, args)
     if records is None:
         if args.out and os.path.getsize(args.out) == 0:
             os.remove(args.out)
         return 1
+    if args.fp8:
+        check = next(r["check"] for r in records if r.get("kind") == "fp8_gemm_check")
+        records = [r for r in records if r.get("kind") != "fp8_gemm_check"]
+        info["fp8_format"] = dict(FP8_FORMAT, gemm_check_layer0_rank0=check)
+        print("FP8 GEMM check (layer 0, rank 0), worst relative error: against the dequantized "
+              f"product {max(c['rel_err_vs_dequantized'] for c in check.values()):.2e}, against "
+              f"bf16 {max(c['rel_err_vs_bf16'] for c in check.values()):.2e}")
     summary = summarize(records)
     print_summary(summary)
     if args.out:

@@ -58,7 +58,8 @@ def main(path: str) -> int:
             axis.grid(True, alpha=0.3)
         axes[0][column].legend(fontsize=8)
     info = results.get("info", {})
-    figure.suptitle(f"MiniMax-M2-shaped decode, TP {info.get('world_size')} on "
+    weights = "FP8 (block-scaled)" if info.get("fp8") else "bf16"
+    figure.suptitle(f"MiniMax-M2-shaped decode, {weights}, TP {info.get('world_size')} on "
                     f"{info.get('device')}, commit {info.get('commit')}")
     figure.tight_layout()
     out = os.path.splitext(path)[0] + ".png"

@@ -1,8 +1,10 @@
 """The end-to-end decode benchmark (bench/e2e) on the CPU backend: a tiny MiniMax-M2-shaped
 model at world 1 runs every CPU mode; the compiled model's passes find every site of a layer
 (two add + RMSNorm, the QK norm, its RoPE); the fused modes' logits stay close to the unfused
-model's. The GPU run (one process per GPU, CUDA graphs) is the benchmark itself. Also the QK
-norm's torch-eager baseline (bench/torch_qk_baseline.py) in its CPU smoke form."""
+model's. The FP8 model at world 2 (one process a rank): the passes fold both norms'
+quantizations into the fused ops. The GPU run (one process per GPU, CUDA graphs) is the benchmark
+itself. Also the QK norm's torch-eager baseline (bench/torch_qk_baseline.py) in its CPU smoke
+form."""
 
 import json
 import os
@@ -63,6 +65,55 @@ class EndToEndOnCpu(unittest.TestCase):
         self.assertNotIn("pass_rewrites", summary["inductor"])
         for record in results["records"]:
             self.assertNotIn("error", record)
+
+
+class Fp8EndToEndOnCpu(unittest.TestCase):
+    def test_the_fp8_model_at_world_2_has_both_quantizations_folded_in(self):
+        # The smallest run that compiles a layer with the passes (about 45 s on 2 cores, most of
+        # it Inductor compiling that layer in each rank): one layer count, batch 1.
+        out = os.path.join(tempfile.mkdtemp(), "e2e-fp8.json")
+        status = decode.main([
+            "--cpu", "--world", "2", "--small", "--fp8", "--batches", "1", "--contexts", "16",
+            "--layers", "1", "--replays", "1", "--greedy-steps", "2",
+            "--modes", "nccl,tpfuse,compiled", "--out", out,
+        ])
+        self.assertEqual(status, 0)
+        with open(out) as file:
+            results = json.load(file)
+        self.assertIs(results["info"]["fp8"], True)
+        check = results["info"]["fp8_format"]["gemm_check_layer0_rank0"]
+        self.assertEqual(len(check), 8)  # qkv, o, gate/up, down at 1 and 8 tokens
+        for name, errors in check.items():
+            # On the CPU the GEMM is its dequantized definition; against bf16, E4M3's rounding.
+            self.assertEqual(errors["rel_err_vs_dequantized"], 0.0, name)
+            self.assertLess(errors["rel_err_vs_bf16"], 0.1, name)
+        for record in results["records"]:
+            self.assertNotIn("error", record)
+            self.assertIs(record["fp8"], True)
+        summary = {s["mode"]: s for s in results["summary"]}
+        self.assertEqual(set(summary), {"nccl", "tpfuse", "compiled"})
+        compiled = summary["compiled"]
+        rewrites = {name: count for name, count in compiled["pass_rewrites"].items() if count}
+        self.assertEqual(
+            rewrites,
+            {"allreduce_add_rmsnorm": 1, "allreduce_moe_finalize_add_rmsnorm": 1,
+             "allreduce_qk_rmsnorm": 1, "allreduce_qk_rmsnorm_rope": 1,
+             "allreduce_add_rmsnorm_fp8_group128": 2},
+        )
+        self.assertEqual(compiled["fp8_sites_rewritten"], 2)
+        self.assertEqual(compiled["fp8_sites_expected"], 2)
+        self.assertEqual(compiled["last_graph_all_reduces_left"], 0)
+        self.assertEqual(compiled["last_graph_tpfuse_ops"], 3)
+        self.assertEqual(compiled["last_graph_tpfuse_fp8_ops"], 2)
+        self.assertEqual(summary["nccl"]["forced_logits_rel_err_max"], 0.0)
+        # Against the unfused FP8 model: 5e-2 (1.5e-2 measured; the bf16 test allows 3e-2). A
+        # norm that the fused op rounds once and the unfused model twice may differ in its last
+        # bf16 bit, which moves that element's E4M3 code by a step (up to 2^-3 of it) before
+        # the GEMMs; the FP8 GEMMs themselves are 4e-2 from bf16.
+        for mode in ("tpfuse", "compiled"):
+            self.assertLess(summary[mode]["logits_rel_err_vs_nccl"], 5e-2, mode)
+            self.assertGreater(summary[mode]["logits_rel_err_vs_nccl"], 0.0, mode)  # fused
+            self.assertLess(summary[mode]["forced_logits_rel_err_max"], 5e-2, mode)
 
 
 class Determinism(unittest.TestCase):
