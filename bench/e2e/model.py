@@ -282,10 +282,20 @@ def fp8_matmul(a_q, a_scales, w_q, w_scales) -> torch.Tensor:
     a_scales = _column_major(a_scales)
     if not a_q.is_cuda:
         return fp8_matmul_dequantized(a_q, a_scales, w_q, w_scales)
-    return torch.ops.aten._scaled_mm_v2.default(
+    # cuBLASLt has no block-scaled algorithm for fewer than 4 rows on an H200 (measured:
+    # CUBLAS_STATUS_NOT_SUPPORTED at 1 and 2 rows, 4-32 rows within 7e-4 of the definition):
+    # the rows are padded to a multiple of 4 with zeros (scale 1) and the product sliced.
+    rows = a_q.shape[0]
+    padded_rows = _round_up(rows, 4)
+    if padded_rows != rows:
+        a_q = torch.cat([a_q, a_q.new_zeros(padded_rows - rows, a_q.shape[1])])
+        ones = a_scales.new_ones(padded_rows - rows, a_scales.shape[1])
+        a_scales = torch.cat([a_scales, ones]).t().contiguous().t()
+    out = torch.ops.aten._scaled_mm_v2.default(
         a_q, w_q.t(), [a_scales], [_BLOCKWISE_1X128], [], [w_scales.t()],
         [_BLOCKWISE_128X128], [], None, torch.bfloat16, [], False,
     )
+    return out[:rows] if padded_rows != rows else out
 
 
 def fp8_gemm_check(w: dict, bf16: dict, seed: int, device: torch.device) -> dict:
