@@ -290,7 +290,9 @@ class Runner:
             import tpfuse
 
             if world == 1:
-                (self.team,) = tpfuse.cpu_team(1)  # the CPU smoke run
+                # One process: a one-rank team of this device (the CPU smoke run's, or one GPU's).
+                (self.team,) = (tpfuse.cuda_team([self.device.index]) if self.cuda
+                                else tpfuse.cpu_team(1))
             else:
                 self.team = tpfuse.Team.from_group(group)
 
