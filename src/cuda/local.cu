@@ -59,10 +59,11 @@ __global__ void __maxnreg__(56) local_epilogue_kernel_56(const RowCall p) {
 
 // The FP8 forms with two vectors a thread (MoE aside; hidden 4104-8192 in bf16) take 101
 // registers at hidden 7168: one block of 448 threads a multiprocessor. Held to 72 (with spills),
-// two fit. Measured on one H200 at hidden 7168 (bench/results/h200-20261202-eee69af-one-gpu.json's
-// A/B): faster for the dynamic scales from 512 tokens on (0.93x at 1024, 0.91x at 4096), slower
-// for the static scale at every count and for every mode below 512 tokens (1.2x at 1-64): the
-// launch picks it for the dynamic modes from kCappedFrom tokens.
+// two fit. Measured on one H200 at hidden 7168 (the ab/ of
+// bench/results/h200-20261202-eee69af-qk-many-tokens/): faster for the dynamic scales from 512
+// tokens on (0.93x at 1024, 0.91x at 4096), slower for the static scale at every count and for
+// every mode below 512 tokens (1.2x at 1-64): the launch picks it for the dynamic modes from
+// kCappedFrom tokens.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __global__ void __maxnreg__(72) local_epilogue_kernel_72(const RowCall p) {
   local_epilogue_rows<T, Epilogue, kVecsPerThread>(p);

@@ -66,6 +66,47 @@ RopePath rope_path(const QkCall& p, int elements, int vecs_per_thread) {
              : RopePath::kShared;
 }
 
+// Pieces both fused kernels share. The call's header, by thread 0 of block 0 from the slot it
+// read itself (the other threads have not seen the call state yet; session.h).
+template <int kWorldSize>
+__device__ __forceinline__ void send_qk_header(const CallState& state, const QkCall& p) {
+  const GpuSession<kWorldSize> sender(state);
+#pragma unroll
+  for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+    if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
+    if (r == p.exchange.rank) continue;
+    store_packet(
+        reinterpret_cast<Vec16*>(p.exchange.workspace[r] + sender.header_send_offset(p.exchange)),
+        p.signature.header);
+  }
+}
+
+// A token's packet of its two sums, into every rank's slot (this rank's own too: the QK norm
+// reads its own packet back, lamport.h).
+template <int kWorldSize>
+__device__ __forceinline__ void send_qk_packet(const GpuSession<kWorldSize>& sender,
+                                               const QkCall& p, int64_t token, float2 sums) {
+  const size_t send_offset = sender.send_offset(p.exchange);
+  const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
+#pragma unroll
+  for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
+    if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
+    store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token, packet);
+  }
+}
+
+// A token whose position is outside the cache, for Team::check (the first since the last check).
+__device__ __forceinline__ void record_bad_position(const QkCall& p, int64_t token) {
+  if (p.exchange.errors == nullptr) return;
+  if (atomicCAS_system(&p.exchange.errors->call_error, 0u, uint32_t(CallError::kBadPosition)) ==
+      0u) {
+    p.exchange.errors->position_token = token;
+    p.exchange.errors->position = p.positions[token];
+    p.exchange.errors->max_position = p.max_position;
+    __threadfence_system();
+  }
+}
+
 // kPass: kFused runs the whole protocol; kSums stops after step 2, writing this rank's sums to
 // p.sums instead of sending them; kNormFromSums skips steps 2-3 and takes the global sums from
 // p.sums. The three share every arithmetic step, so the halves give the fused op's bits.
@@ -208,16 +249,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     }
   };
   if (kFused && threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0) {
-    // The call header first (session.h), from the slot thread 0 read.
-    const GpuSession<kWorldSize> sender(state);
-#pragma unroll
-    for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
-      if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
-      if (r == p.exchange.rank) continue;
-      store_packet(
-          reinterpret_cast<Vec16*>(p.exchange.workspace[r] + sender.header_send_offset(p.exchange)),
-          p.signature.header);
-    }
+    send_qk_header<kWorldSize>(state, p);  // the call header first
   }
   for (int64_t token = blockIdx.x; kPass != QkPass::kNormFromSums && token < p.tokens;
        token += gridDim.x) {
@@ -240,15 +272,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       p.sums[2 * token + 1] = p.counts_k ? sums.y : 0.0f;
     }
     if (kFused && threadIdx.x == 0 && state.failed == 0) {
-      const GpuSession<kWorldSize> sender(state);  // thread 0's own read
-      const size_t send_offset = sender.send_offset(p.exchange);
-      const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
-#pragma unroll
-      for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
-        if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
-        store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
-                     packet);
-      }
+      send_qk_packet(GpuSession<kWorldSize>(state), p, token, sums);  // thread 0's own read
     }
   }
 
@@ -378,15 +402,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
         }
       }
     }
-    if (position < 0 && threadIdx.x == 0 && p.exchange.errors != nullptr) {
-      if (atomicCAS_system(&p.exchange.errors->call_error, 0u, uint32_t(CallError::kBadPosition)) ==
-          0u) {
-        p.exchange.errors->position_token = token;
-        p.exchange.errors->position = p.positions[token];
-        p.exchange.errors->max_position = p.max_position;
-        __threadfence_system();
-      }
-    }
+    if (position < 0 && threadIdx.x == 0) record_bad_position(p, token);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       const int64_t c = vector_of(i);
@@ -481,17 +497,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
   }
   load_group(int64_t(blockIdx.x) * kGroup);
   load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
-  if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0) {
-    const GpuSession<kWorldSize> sender(state);
-#pragma unroll
-    for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
-      if (kWorldSize == 0 && r >= sender.world(p.exchange)) break;
-      if (r == p.exchange.rank) continue;
-      store_packet(
-          reinterpret_cast<Vec16*>(p.exchange.workspace[r] + sender.header_send_offset(p.exchange)),
-          p.signature.header);
-    }
-  }
+  if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
+    send_qk_header<kWorldSize>(state, p);
   Vec16 gammas[kVecsPerThread];
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
@@ -550,16 +557,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
         sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
         sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
       }
-      if (lane == 0) {
-        const size_t send_offset = session.send_offset(p.exchange);
-        const Vec16 packet = rewrite_sentinel(qk_packet(sums.x, p.counts_k ? sums.y : 0.0f));
-#pragma unroll
-        for (int r = 0; r < (kWorldSize > 0 ? kWorldSize : kMaxWorldSize); ++r) {
-          if (kWorldSize == 0 && r >= session.world(p.exchange)) break;
-          store_packet(reinterpret_cast<Vec16*>(p.exchange.workspace[r] + send_offset) + token,
-                       packet);
-        }
-      }
+      if (lane == 0) send_qk_packet(session, p, token, sums);
     }
     if (group == blockIdx.x) {
       // The one-token kernel's step 3, once a call.
@@ -601,19 +599,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
       }
       shared_scale[buffer][warp][0] = rms_scale(totals[0], p.q_global_size, p.eps);
       shared_scale[buffer][warp][1] = rms_scale(totals[1], p.k_global_size, p.eps);
-      bool bad = false;
-      if constexpr (kRopeRegisters) {
-        const int64_t position = p.positions[token];
-        bad = bounded_position(position) < 0;
-        if (bad && p.exchange.errors != nullptr &&
-            atomicCAS_system(&p.exchange.errors->call_error, 0u,
-                             uint32_t(CallError::kBadPosition)) == 0u) {
-          p.exchange.errors->position_token = token;
-          p.exchange.errors->position = position;
-          p.exchange.errors->max_position = p.max_position;
-          __threadfence_system();
-        }
-      }
+      const bool bad = kRopeRegisters && bounded_position(p.positions[token]) < 0;
+      if (bad) record_bad_position(p, token);
       bad_position[buffer][warp] = bad;
     }
     __syncthreads();  // B: the scales, and the cos/sin rows
@@ -720,17 +707,22 @@ constexpr int kQkTokenGroup = 4;
 
 // Whether the fused QK norm takes the many-token kernel, whose grid (`group_grid`: its resident
 // blocks) holds kQkTokenGroup tokens a block: from a quarter of that grid's tokens. Measured on one
-// H200 (one rank, bf16, 2026-12-02, bench/results/h200-20261202-eee69af-one-gpu.json and the
-// experiments beside it): at MiniMax-M2's TP-2 slice (a grid of 264) ahead from 512 tokens,
+// H200 (one rank, bf16, 2026-12-02, bench/results/h200-20261202-eee69af-qk-many-tokens/: its
+// group-experiments/ and ab/): at MiniMax-M2's TP-2 slice (a grid of 264) ahead from 512 tokens,
 // behind at 256; at its one-rank width with RoPE (a grid of 132) behind at 128 (7.41 against
 // 5.85 us), ahead from 512. TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes the
 // many-token kernel at any count, as a test of it on few tokens does).
-inline bool takes_many_token_kernel(int64_t tokens, int64_t group_grid) {
+template <typename Grid>
+bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_grid) {
   static const int64_t configured = [] {
     const char* value = std::getenv("TPFUSE_QK_MANY_TOKENS_FROM");
     return value != nullptr && value[0] != '\0' ? std::max<long long>(0, std::atoll(value)) : -1LL;
   }();
-  return tokens > (configured >= 0 ? configured : kQkTokenGroup * group_grid / 4);
+  if (configured >= 0) return tokens > configured;
+  // The grid is at least a block a multiprocessor: below that bound no occupancy lookup (the
+  // calls of a decode step stay off it).
+  if (tokens <= int64_t(kQkTokenGroup) * multiprocessors / 4) return false;
+  return tokens > kQkTokenGroup * group_grid() / 4;
 }
 
 // The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
@@ -776,14 +768,15 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
             const size_t bytes = kRope == RopePath::kRegisters
                                      ? size_t(2 * kGroup * params.rotary_dim) * sizeof(float)
                                      : 0;
-            if (shape.threads >= 32 * kGroup) {
-              const int64_t grid = int64_t(team.multiprocessors) *
-                                   resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
-              if (takes_many_token_kernel(params.tokens, grid)) {
-                const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
-                return launch(kernel, int(std::min(groups, grid)), shape.threads, bytes, stream,
-                              params);
-              }
+            const auto grid = [&] {
+              return int64_t(team.multiprocessors) *
+                     resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
+            };
+            if (shape.threads >= 32 * kGroup &&
+                takes_many_token_kernel(params.tokens, team.multiprocessors, grid)) {
+              const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
+              return launch(kernel, int(std::min(groups, grid())), shape.threads, bytes, stream,
+                            params);
             }
           }
           if constexpr (kVecs <= 2) {

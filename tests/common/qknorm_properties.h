@@ -57,6 +57,18 @@ inline std::string describe(const QkSpec& s) {
   return out.str();
 }
 
+// MiniMax-M2's heads (48 query, 8 KV of 128) for this world size: KV heads replicated past 8.
+inline QkSpec minimax_qk_spec(int world, DType dtype, RopeStyle rope, int64_t tokens) {
+  QkSpec s;
+  s.dtype = dtype;
+  s.heads = std::max(1, 48 / world);
+  s.kv_heads = std::max(1, 8 / world);
+  s.kv_replicas = world > 8 ? world / 8 : 1;
+  s.rope = rope;
+  s.tokens = tokens;
+  return s;
+}
+
 inline QkData random_qk_data(std::mt19937_64& rng, const QkSpec& s, int world,
                              bool identical_ranks = false) {
   QkData d;
@@ -327,13 +339,7 @@ inline void check_qk_unaligned_cache(Harness& h, uint64_t seed) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
     for (RopeStyle rope : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
       for (int64_t offset : {0, 1, 3}) {
-        QkSpec s;
-        s.dtype = dtype;
-        s.heads = std::max(1, 48 / world);
-        s.kv_heads = std::max(1, 8 / world);
-        s.kv_replicas = world > 8 ? world / 8 : 1;
-        s.rope = rope;
-        s.tokens = 5;
+        QkSpec s = minimax_qk_spec(world, dtype, rope, 5);
         s.in_place = offset == 1;
         s.cache_offset = offset;
         if (dtype == DType::kFloat32) s.heads = std::min<int64_t>(s.heads, 8);
@@ -439,13 +445,7 @@ inline void check_qk_many_tokens(Harness& h, uint64_t seed) {
   for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
     for (const int64_t tokens : {1100, 2349}) {
       for (const RopeStyle rope : {RopeStyle::kNone, RopeStyle::kNeox, RopeStyle::kInterleaved}) {
-        QkSpec s;
-        s.dtype = dtype;
-        s.heads = std::max(1, 48 / world);
-        s.kv_heads = std::max(1, 8 / world);
-        s.kv_replicas = world > 8 ? world / 8 : 1;
-        s.rope = rope;
-        s.tokens = tokens;
+        QkSpec s = minimax_qk_spec(world, dtype, rope, tokens);
         s.in_place = tokens == 2349 && rope != RopeStyle::kInterleaved;
         const QkData d = random_qk_data(rng, s, world);
         const QkResult fused = run_qk(h, s, d);
