@@ -67,8 +67,9 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
   step sanitize
   oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*'
   qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits:GpuQkNorm.MiniMaxShapesManyTokens'
-  # Several ranks on one GPU: the multi-rank kernels where one GPU is all there is.
-  shared_filter='Ranks/SharedDevice.RepeatedCallsGiveIdenticalBits/0:Ranks/SharedDevice.QkNormHalvesGiveTheFusedBits/0:Ranks/SharedDevice.AdversarialPayloads/0'
+  # Several ranks on one GPU: the multi-rank kernels where one GPU is all there is, and the
+  # error records (a rejected peer, a bad QK position: the GPU's writes to host-mapped memory).
+  shared_filter='Ranks/SharedDevice.RepeatedCallsGiveIdenticalBits/0:Ranks/SharedDevice.QkNormHalvesGiveTheFusedBits/0:Ranks/SharedDevice.AdversarialPayloads/0:Ranks/SharedDevice.MisuseReportedWhereItBelongsAndTheNextCallCorrect/0:Ranks/SharedDevice.QkPositionOutsideTheCacheGivesNaNAndIsReported/0'
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     for test in ${SANITIZE_TESTS:-oneshot qknorm}; do
       filter=$oneshot_filter
@@ -177,11 +178,13 @@ if [[ " $STEPS " == *" profile "* ]]; then
   # --export and open it in Nsight Compute). Clocks are left alone (--clock-control none).
   # PROFILE_KERNEL (a regex; default the QK kernel) and PROFILE_HIDDEN pick another kernel, e.g.
   # PROFILE_KERNEL=local_epilogue_kernel PROFILE_HIDDEN=3072 PROFILE_TOKENS=512.
+  # PROFILE_NCU_ARGS replaces the sections (e.g. "--page raw --metrics regex:..." for the stall
+  # reasons as numbers).
   kernel=${PROFILE_KERNEL:-qk_rmsnorm_kernel}
+  ncu_args=${PROFILE_NCU_ARGS:-"--section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy"}
+  # shellcheck disable=SC2086  # ncu_args is a list of arguments
   timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" \
-    --launch-count ${PROFILE_LAUNCHES:-12} --section LaunchStats --section SpeedOfLight \
-    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    --section Occupancy \
+    --launch-count ${PROFILE_LAUNCHES:-12} $ncu_args \
     "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden ${PROFILE_HIDDEN:-6144} \
     --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
     >"$OUT/ncu-profile.txt" 2>&1

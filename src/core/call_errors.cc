@@ -82,6 +82,13 @@ std::string describe_mismatch(const ErrorRecord& e, int rank) {
   return out.str();
 }
 
+// Reported once: the record takes the next per-call error (session.h's call_generation lets the
+// GPU claim it again).
+void clear_call_error(ErrorRecord& e) {
+  __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);
+  __atomic_fetch_add(&e.call_generation, 1u, __ATOMIC_RELEASE);
+}
+
 }  // namespace
 
 std::string peer_note(const TeamState& team) {
@@ -115,7 +122,7 @@ void report_call_errors(const TeamState& team) {
   const uint32_t call_error = __atomic_load_n(&e.call_error, __ATOMIC_ACQUIRE);
   if (CallError(call_error) == CallError::kBadPosition) {
     const int64_t token = e.position_token, position = e.position, rows = e.max_position;
-    __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once
+    clear_call_error(e);
     TPF_FAIL("rank " << team.rank() << ": allreduce_qk_rmsnorm: positions[" << token
                      << "] = " << position << " is outside [0, max_position = " << rows
                      << "); that token's q and k outputs are NaN (the first such token of a call "
@@ -123,7 +130,7 @@ void report_call_errors(const TeamState& team) {
   }
   if (call_error != 0) {
     const uint32_t peer = e.call_peer;
-    __atomic_store_n(&e.call_error, 0u, __ATOMIC_RELEASE);  // reported once: the team goes on
+    clear_call_error(e);  // the team goes on
     TPF_FAIL("rank " << team.rank() << ": rank " << peer
                      << " rejected its part of a call (its own error says why); this rank's "
                         "outputs of that call are NaN, and the team goes on");

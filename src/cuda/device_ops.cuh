@@ -130,19 +130,36 @@ __device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_s
   return total;
 }
 
-// Error records (session.h). A failure (timeout, disagreeing peer) marks the team failed in the
-// control block (device memory, which later calls read cheaply) and in the host-mapped record
-// (which the host reads without synchronizing); the first one wins. System scope: the host reads
-// the record while the kernel may still run.
+// Error records (session.h). The first writer is decided in device memory: the control block's
+// error (which later calls read cheaply) for a failure of the team, its call_claims for a
+// per-call error; the winner alone writes the host-mapped record, details first, then a fence,
+// then the kind the host polls. No system-scope atomic touches host memory.
+__device__ __forceinline__ void write_host_word(uint32_t* word, uint32_t value) {
+  __threadfence_system();  // the details before the kind
+  *reinterpret_cast<volatile uint32_t*>(word) = value;
+  __threadfence_system();
+}
+
+// True for the one thread that records this failure of the team (the first).
+__device__ __forceinline__ bool claim_failure(const Exchange& x, int peer) {
+  return atomicCAS(&x.control->error, 0u, uint32_t(1 + peer)) == 0u;
+}
+
 __device__ __forceinline__ void record_failure(const Exchange& x, CallError kind, int peer,
                                                const Vec16& mine, const Vec16& theirs) {
-  atomicCAS(&x.control->error, 0u, uint32_t(1 + peer));
-  if (atomicCAS_system(&x.errors->failure, 0u, uint32_t(kind)) == 0u) {
-    x.errors->failure_peer = uint32_t(peer);
-    x.errors->mine = mine;
-    x.errors->theirs = theirs;
-    __threadfence_system();
-  }
+  if (!claim_failure(x, peer)) return;
+  x.errors->failure_peer = uint32_t(peer);
+  x.errors->mine = mine;
+  x.errors->theirs = theirs;
+  write_host_word(&x.errors->failure, uint32_t(kind));
+}
+
+// True for the one thread that records a per-call error since Team::check last cleared one:
+// call_claims moves from the record's call_generation to one past it, once.
+__device__ __forceinline__ bool claim_call_error(const Exchange& x) {
+  const uint32_t generation =
+      *reinterpret_cast<const volatile uint32_t*>(&x.errors->call_generation);
+  return atomicCAS(&x.control->call_claims, generation, generation + 1) == generation;
 }
 
 // What a sender's header, once in, says of this rank's call: nothing (same signature) or why
@@ -151,9 +168,9 @@ __device__ __forceinline__ bool header_differs(const Exchange& x, const CallSign
                                                const Vec16& header, int sender) {
   if (same_signature(header, mine.header)) return false;
   if (CallSignature{header}.op() == CallOp::kRejected) {
-    if (atomicCAS_system(&x.errors->call_error, 0u, uint32_t(CallError::kPeerRejected)) == 0u) {
+    if (claim_call_error(x)) {
       x.errors->call_peer = uint32_t(sender);
-      __threadfence_system();
+      write_host_word(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
     }
   } else {
     record_failure(x, CallError::kMismatch, sender, mine.header, header);
@@ -187,9 +204,9 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
         if (deadline == 0) {
           deadline = now + x.timeout_ns;
         } else if (now > deadline) {
-          atomicCAS(&x.control->error, 0u, uint32_t(1 + sender));
-          if (atomicCAS_system(&x.errors->failure, 0u, uint32_t(CallError::kTimeout)) == 0u) {
+          if (claim_failure(x, sender)) {
             x.errors->failure_peer = uint32_t(sender);
+            write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));
           }
           return nan_vector();
         }
@@ -206,20 +223,32 @@ struct EarlyHeaders {
   Vec16 header[kMaxWorldSize];
 };
 
+// 16 bytes from global to shared memory, asynchronously (cp.async, through L2);
+// commit_async_copies() closes the thread's batch, wait_async_copies() waits for all of them.
+__device__ __forceinline__ void copy_async(void* shared, const void* global) {
+  const uint32_t destination = uint32_t(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(destination), "l"(global)
+               : "memory");
+}
+
+__device__ __forceinline__ void commit_async_copies() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 template <typename Session>
 __device__ __forceinline__ void fetch_headers(const Session& session, const Exchange& x,
                                               EarlyHeaders& early) {
   const int sender = int(threadIdx.x);
   if (blockIdx.x != 0 || sender >= session.world(x) || sender == x.rank) return;
-#if __CUDA_ARCH__ >= 800
   const uint32_t destination = uint32_t(__cvta_generic_to_shared(&early.header[sender]));
   asm volatile(
       "cp.async.cg.shared.global [%0], [%1], 16;\n\tcp.async.commit_group;" ::"r"(destination),
       "l"(session.received_header(x, sender))
       : "memory");
-#else
-  early.header[sender] = load_packet(session.received_header(x, sender));
-#endif
 }
 
 // No function calls here or in the polls: any call in a kernel makes ptxas reserve the calling
@@ -229,9 +258,7 @@ __device__ __forceinline__ void check_header(const Session& session, const Excha
                                              const CallSignature& mine, EarlyHeaders& early) {
   const int sender = int(threadIdx.x);
   if (blockIdx.x != 0 || sender >= session.world(x) || sender == x.rank) return;
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
+  wait_async_copies();
   if (early.header[sender].word[3] == mine.hash()) return;
   const Vec16* address = session.received_header(x, sender);
   uint64_t deadline = 0;

@@ -98,12 +98,11 @@ __device__ __forceinline__ void send_qk_packet(const GpuSession<kWorldSize>& sen
 // A token whose position is outside the cache, for Team::check (the first since the last check).
 __device__ __forceinline__ void record_bad_position(const QkCall& p, int64_t token) {
   if (p.exchange.errors == nullptr) return;
-  if (atomicCAS_system(&p.exchange.errors->call_error, 0u, uint32_t(CallError::kBadPosition)) ==
-      0u) {
+  if (claim_call_error(p.exchange)) {
     p.exchange.errors->position_token = token;
     p.exchange.errors->position = p.positions[token];
     p.exchange.errors->max_position = p.max_position;
-    __threadfence_system();
+    write_host_word(&p.exchange.errors->call_error, uint32_t(CallError::kBadPosition));
   }
 }
 
@@ -433,13 +432,25 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 //   3. lane 0 of warp g polls token g's packets (the thread that stored this rank's own packet
 //      reads it back, as lamport.h requires) and writes the two scales; barrier B;
 //   4. every thread normalizes, rotates and stores the group's tokens from its registers.
+// kPrefetch: once step 2 has used a group's values, each thread copies its vectors of the block's
+// next group into shared memory asynchronously (cp.async), so that they load while this group
+// waits on its peers and stores; the next group takes them from there. A thread copies exactly the
+// vectors it later reads, so no barrier guards that buffer.
 // Shared memory alternates between two buffers by group, so no barrier is needed after step 4:
 // a buffer is written again two groups later, after a barrier every thread passes only once it
 // has finished with it. Blocks wait on peers group by group; tokens go to blocks in increasing
 // order, so the lowest token any block waits for has always been sent (no deadlock whatever the
 // peers' grids). The grid is at most what is resident at once, as for the one-token kernel.
-template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, int kGroup>
-__global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkCall p) {
+// Blocks a multiprocessor the many-token kernel is compiled for (0: ptxas's choice). With one
+// vector a thread and RoPE in registers, the prefetch took 100 registers unbounded (one block of
+// 448 threads resident instead of two); held to two blocks it fits 64 with 16 bytes spilled.
+template <int kVecsPerThread, bool kPrefetch>
+constexpr int kGroupKernelMinBlocks = kPrefetch&& kVecsPerThread == 1 ? 2 : 0;
+
+template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, int kGroup,
+          bool kPrefetch>
+__global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThread, kPrefetch>)
+    qk_rmsnorm_group_kernel(const QkCall p) {
   static_assert(kRope != RopePath::kShared, "the shared-memory RoPE takes a token at a time");
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
@@ -451,8 +462,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   const int warps = int((blockDim.x + 31) / 32);
-  // kRegisters: two buffers of kGroup cos/sin rows.
-  extern __shared__ float rope_shared[];
+  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors.
+  extern __shared__ __align__(16) float rope_shared[];
   __shared__ float2 warp_sums[2][kGroup][32];
   __shared__ float shared_scale[2][kGroup][2];
   __shared__ bool bad_position[2][kGroup];
@@ -469,6 +480,35 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int64_t c = vector_of(i);
         if (c < vectors) values[g][i] = load_vector(p.qkv, ((first + g) * row) / kElements + c);
+      }
+    }
+  };
+  Vec16* const prefetched =
+      reinterpret_cast<Vec16*>(rope_shared + (kRopeRegisters ? 2 * kGroup * p.rotary_dim : 0));
+  const auto prefetch_group = [&](int64_t first) {
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (first + g >= p.tokens) break;
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c < vectors) {
+          copy_async(prefetched + g * vectors + c,
+                     static_cast<const Vec16*>(p.qkv) + ((first + g) * row) / kElements + c);
+        }
+      }
+    }
+    commit_async_copies();
+  };
+  const auto take_prefetched = [&](int64_t first) {
+    wait_async_copies();
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      if (first + g >= p.tokens) break;
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) {
+        const int64_t c = vector_of(i);
+        if (c < vectors) values[g][i] = prefetched[g * vectors + c];
       }
     }
   };
@@ -520,7 +560,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
   for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
     const int64_t first = group * kGroup;
     if (group != blockIdx.x) {
-      load_group(first);
+      if constexpr (kPrefetch) {
+        take_prefetched(first);
+      } else {
+        load_group(first);
+      }
       load_rope_rows(first, buffer);
     }
     // 2. Sums of squares per token: this thread's, then its warp's.
@@ -544,6 +588,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_group_kernel(const QkC
         sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
       }
       if (lane == 0) warp_sums[buffer][g][warp] = sums;
+    }
+    if constexpr (kPrefetch) {
+      // The values are used (their sums taken), so their shared copies may be overwritten.
+      if (group + gridDim.x < groups) prefetch_group((group + gridDim.x) * kGroup);
     }
     __syncthreads();  // A: the warp sums, and (first group) what thread 0 read
     if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
@@ -725,6 +773,33 @@ bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_g
   return tokens > kQkTokenGroup * group_grid() / 4;
 }
 
+// Whether the many-token kernel prefetches the next group (its kPrefetch); TPFUSE_QK_PREFETCH=0
+// turns it off (read once), for A/B runs.
+inline bool qk_prefetch_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("TPFUSE_QK_PREFETCH");
+    return value == nullptr || value[0] == '\0' || value[0] != '0';
+  }();
+  return enabled;
+}
+
+// The many-token kernel's dynamic shared memory: with RoPE in registers two buffers of kGroup
+// cos/sin rows, and with kPrefetch a group's q and k vectors.
+inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, bool prefetch,
+                                        size_t element_size) {
+  const size_t rope = path == RopePath::kRegisters
+                          ? size_t(2 * kQkTokenGroup * params.rotary_dim) * sizeof(float)
+                          : 0;
+  return rope + (prefetch
+                     ? size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) * element_size
+                     : 0);
+}
+
+// The most dynamic shared memory the prefetching kernel is allowed (set once per device when the
+// team preloads its kernels): four tokens of the widest row one block takes (512 threads of two
+// vectors: 16 KiB a token) and their cos/sin rows.
+constexpr int kGroupKernelMaxSharedBytes = 96 * 1024;
+
 // The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
 // the fused kernel, its exchange with itself only).
 template <typename Fn>
@@ -764,10 +839,13 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
             // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
             constexpr int kGroup = kQkTokenGroup;
-            const auto kernel = qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup>;
-            const size_t bytes = kRope == RopePath::kRegisters
-                                     ? size_t(2 * kGroup * params.rotary_dim) * sizeof(float)
-                                     : 0;
+            const bool prefetch = qk_prefetch_enabled() &&
+                                  group_kernel_shared_bytes(params, kRope, true, sizeof(T)) <=
+                                      size_t(kGroupKernelMaxSharedBytes);
+            const auto kernel =
+                prefetch ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, true>
+                         : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, false>;
+            const size_t bytes = group_kernel_shared_bytes(params, kRope, prefetch, sizeof(T));
             const auto grid = [&] {
               return int64_t(team.multiprocessors) *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
@@ -808,7 +886,13 @@ void QkKernels<T>::preload_kernels(int world_size) {
                 preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused, true>);
               }
               if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
-                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup>);
+                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, false>);
+                const auto prefetching =
+                    qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, true>;
+                preload(prefetching);
+                TPF_CHECK_CUDA(cudaFuncSetAttribute(prefetching,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    kGroupKernelMaxSharedBytes));
               }
               preload(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>);
             }

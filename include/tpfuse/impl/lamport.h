@@ -64,10 +64,11 @@ constexpr int kSlots = 3;
 
 // Per-rank control block, in the rank's own memory (never touched by peers).
 struct alignas(16) ControlBlock {
-  uint32_t slot;      // slot of the next call: calls completed modulo kSlots
-  uint32_t arrivals;  // blocks of the current call that have read call_counter
-  uint32_t error;     // nonzero once a call timed out: 1 + the rank that did not arrive
-  uint32_t pad;
+  uint32_t slot;         // slot of the next call: calls completed modulo kSlots
+  uint32_t arrivals;     // blocks of the current call that have read call_counter
+  uint32_t error;        // nonzero once the team failed: 1 + the rank it names (the GPU's claim
+                         // of ErrorRecord::failure)
+  uint32_t call_claims;  // per-call errors claimed (the GPU's claim of ErrorRecord::call_error)
   uint64_t slot_bytes[kSlots];  // bytes per sender each slot received in its last call
 };
 

@@ -114,7 +114,11 @@ enum class CallError : uint32_t {
 
 // One rank's errors, in host memory (mapped into the device on CUDA) so the host reads them
 // without synchronizing with a running kernel. The first failure wins and stays; the per-call
-// error is the first since Team::check last reported one.
+// error is the first since Team::check last reported one. A writer fills the details first and
+// the kind (failure, call_error) last, so a reader that sees the kind sees its details. On the
+// GPU the first writer is decided in device memory (the control block's error and call_claims),
+// never by an atomic on this record: system-scope atomics on host memory are not supported over
+// every host link (PCIe without host atomics).
 struct alignas(16) ErrorRecord {
   uint32_t failure;       // CallError that failed the team, or kNone
   uint32_t failure_peer;  // the rank it names
@@ -125,6 +129,9 @@ struct alignas(16) ErrorRecord {
   int64_t position_token;  // kBadPosition: the token, its position, and the cache's rows
   int64_t position;
   int64_t max_position;
+  // Per-call errors Team::check has reported and cleared: the GPU claims call_error only while
+  // its control block's call_claims equals this.
+  uint32_t call_generation;
 };
 
 // The team side of every call: what a rank needs to exchange packets with its peers.
