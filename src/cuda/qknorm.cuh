@@ -472,45 +472,37 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
 
   const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
   Vec16 values[kGroup][kVecsPerThread];
-  const auto load_group = [&](int64_t first) {
+  // fn(g, i, c, source) for each of this thread's vectors of the group from token `first`:
+  // token first + g, vector i, row vector c, at `source` in qkv.
+  const auto for_each_vector = [&](int64_t first, auto&& fn) {
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       if (first + g >= p.tokens) break;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int64_t c = vector_of(i);
-        if (c < vectors) values[g][i] = load_vector(p.qkv, ((first + g) * row) / kElements + c);
+        if (c < vectors)
+          fn(g, i, c, static_cast<const Vec16*>(p.qkv) + ((first + g) * row) / kElements + c);
       }
     }
+  };
+  const auto load_group = [&](int64_t first) {
+    for_each_vector(first,
+                    [&](int g, int i, int64_t, const Vec16* source) { values[g][i] = *source; });
   };
   Vec16* const prefetched =
       reinterpret_cast<Vec16*>(rope_shared + (kRopeRegisters ? 2 * kGroup * p.rotary_dim : 0));
   const auto prefetch_group = [&](int64_t first) {
-#pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      if (first + g >= p.tokens) break;
-#pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
-        if (c < vectors) {
-          copy_async(prefetched + g * vectors + c,
-                     static_cast<const Vec16*>(p.qkv) + ((first + g) * row) / kElements + c);
-        }
-      }
-    }
+    for_each_vector(first, [&](int g, int, int64_t c, const Vec16* source) {
+      copy_async(prefetched + g * vectors + c, source);
+    });
     commit_async_copies();
   };
   const auto take_prefetched = [&](int64_t first) {
     wait_async_copies();
-#pragma unroll
-    for (int g = 0; g < kGroup; ++g) {
-      if (first + g >= p.tokens) break;
-#pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
-        if (c < vectors) values[g][i] = prefetched[g * vectors + c];
-      }
-    }
+    for_each_vector(first, [&](int g, int i, int64_t c, const Vec16*) {
+      values[g][i] = prefetched[g * vectors + c];
+    });
   };
   const auto bounded_position = [&](int64_t position) {
     return position >= 0 && position < p.max_position ? position : int64_t(-1);
