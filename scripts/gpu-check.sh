@@ -65,11 +65,11 @@ fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
   step sanitize
-  oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*'
+  oneshot_filter='GpuOneShot.RepeatedCallsGiveIdenticalBits:GpuOneShot.AdversarialPayloads:GpuOneShot.TwoShotGivesOneShotBitsWhateverTheBatch:Forced/GpuAlgorithms.RepeatedCallsGiveIdenticalBits/*:GpuLocalAddRmsNorm.*:GpuOneRankTeam.Fp8OutputsMatchTheirDefinition'
   qk_filter='GpuQkNorm.IdenticalSlicesGiveIdenticalBitsOnEveryRank:GpuQkNorm.ZerosNaNAndInfinities:GpuQkNorm.LocalHalvesGiveTheFusedBits:GpuQkNorm.MiniMaxShapesManyTokens'
   # Several ranks on one GPU: the multi-rank kernels where one GPU is all there is, and the
   # error records (a rejected peer, a bad QK position: the GPU's writes to host-mapped memory).
-  shared_filter='Ranks/SharedDevice.RepeatedCallsGiveIdenticalBits/0:Ranks/SharedDevice.QkNormHalvesGiveTheFusedBits/0:Ranks/SharedDevice.AdversarialPayloads/0:Ranks/SharedDevice.MisuseReportedWhereItBelongsAndTheNextCallCorrect/0:Ranks/SharedDevice.QkPositionOutsideTheCacheGivesNaNAndIsReported/0'
+  shared_filter='Ranks/SharedDevice.RepeatedCallsGiveIdenticalBits/0:Ranks/SharedDevice.QkNormHalvesGiveTheFusedBits/0:Ranks/SharedDevice.AdversarialPayloads/0:Ranks/SharedDevice.MisuseReportedWhereItBelongsAndTheNextCallCorrect/0:Ranks/SharedDevice.QkPositionOutsideTheCacheGivesNaNAndIsReported/0:Ranks/SharedDevice.Fp8OutputsMatchTheirDefinition/0'
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     for test in ${SANITIZE_TESTS:-oneshot qknorm}; do
       filter=$oneshot_filter

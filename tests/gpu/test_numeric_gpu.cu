@@ -50,7 +50,8 @@ TEST(GpuNumeric, Fp8E4M3HardwareMatchesSoftwareOnEveryFloat) {
   cudaFree(result);
 }
 
-// Every fp32 in both bytes of a pair, beside a partner that walks the bit patterns differently.
+// Every fp32 in both bytes of a pair and in every byte of a word of four, beside a partner that
+// walks the bit patterns differently.
 __global__ void compare_e4m3_pairs(Mismatches* out) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (uint64_t(1) << 32);
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -62,7 +63,13 @@ __global__ void compare_e4m3_pairs(Mismatches* out) {
     const uint32_t want_partner = fp8_e4m3_from_float_software(y).bits;
     const uint32_t got = (low_first & 0xffu) | uint32_t(high_first >> 8) << 8;
     const uint32_t got_partner = (low_first >> 8) | uint32_t(high_first & 0xffu) << 8;
-    if ((got != (want | want << 8) || got_partner != (want_partner | want_partner << 8)) &&
+    // Four at a time: x in every byte of one of the two words.
+    const uint32_t outer = fp8_e4m3x4_from_floats(x, y, y, x);
+    const uint32_t inner = fp8_e4m3x4_from_floats(y, x, x, y);
+    const uint32_t outer_want = want | want_partner << 8 | want_partner << 16 | want << 24;
+    const uint32_t inner_want = want_partner | want << 8 | want << 16 | want_partner << 24;
+    if ((got != (want | want << 8) || got_partner != (want_partner | want_partner << 8) ||
+         outer != outer_want || inner != inner_want) &&
         atomicAdd(&out->count, 1ull) == 0) {
       out->first_input = bits;
       out->first_hardware = got;
@@ -112,7 +119,10 @@ __global__ void compare_every_float(float scale, DivisionMismatches* out) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < (uint64_t(1) << 32);
        i += uint64_t(gridDim.x) * blockDim.x) {
     const float x = __uint_as_float(uint32_t(i));
-    const float q = quotient_by_reciprocal(x, divisor), ieee = __fdiv_rn(x, scale);
+    // As quantize_vector divides.
+    const float q =
+        divisor.by_reciprocal ? quotient_by_reciprocal(x, divisor) : __fdiv_rn(x, scale);
+    const float ieee = __fdiv_rn(x, scale);
     const bool decided = fabsf(ieee) >= 0x1p-20f && fabsf(ieee) <= 0x1p20f;
     const bool same_bits = __float_as_uint(q) == __float_as_uint(ieee);
     exact += decided && same_bits;

@@ -107,9 +107,9 @@ TPF_HOST_DEVICE float dynamic_scale(float amax) {
 // reciprocal and corrects once with the exact remainder (Markstein): the IEEE quotient wherever
 // it can decide a byte (E4M3 rounds below 2^-10 to zero and saturates from 464; the quotient is
 // IEEE's for every pair of significands and for every x whose quotient lies within 2^+-20),
-// with no slow-path branch per element, so a vector's quotients issue together instead of one
-// IEEE division after another (tests/gpu/test_numeric_gpu.cu checks all of this exhaustively).
-// A scale outside [2^-60, 2^60] divides element by element.
+// without a branch per element, so a vector's quotients issue together instead of one IEEE
+// division after another (tests/gpu/test_numeric_gpu.cu checks all of this exhaustively). A
+// scale that is not positive or lies outside [2^-60, 2^60] divides element by element.
 struct Fp8Divisor {
   float scale;
   float reciprocal;    // RN(1 / scale): the device's
@@ -118,22 +118,22 @@ struct Fp8Divisor {
 
 TPF_HOST_DEVICE Fp8Divisor fp8_divisor(float scale) {
 #if TPF_ON_DEVICE
-  const float magnitude = fabsf(scale);
-  return {scale, __frcp_rn(scale), magnitude >= 0x1p-60f && magnitude <= 0x1p60f};
+  return {scale, __frcp_rn(scale), scale >= 0x1p-60f && scale <= 0x1p60f};
 #else
   return {scale, 0.0f, false};
 #endif
 }
 
 #if defined(__CUDACC__)
-// x / d.scale by the reciprocal (d.by_reciprocal).
+// x / d.scale by the reciprocal (d.by_reciprocal). The remainder is taken negated, q * scale - x,
+// so that the correction subtracting it keeps a zero quotient's sign (a positive scale). Finite q
+// and x give a finite remainder; an infinite q (x is, or the quotient overflows) a NaN
+// correction, where q stands (a NaN x gives NaN either way).
 __device__ __forceinline__ float quotient_by_reciprocal(float x, const Fp8Divisor& d) {
   const float q = __fmul_rn(x, d.reciprocal);
-  const float remainder = __fmaf_rn(-q, d.scale, x);
-  // A zero remainder: q is exact (and keeps a zero's sign, which the correction would lose); an
-  // infinite or NaN one: q is infinite or NaN already (x is, or the quotient overflows).
-  return remainder != 0.0f && fabsf(remainder) < INFINITY ? __fmaf_rn(remainder, d.reciprocal, q)
-                                                          : q;
+  const float negated_remainder = __fmaf_rn(q, d.scale, -x);
+  const float corrected = __fmaf_rn(-negated_remainder, d.reciprocal, q);
+  return corrected != corrected ? q : corrected;
 }
 #endif
 
@@ -153,10 +153,10 @@ TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, const Fp8
 #if TPF_ON_DEVICE
   const auto convert = [&](auto quotient) {
     TPF_UNROLL
-    for (int i = 0; i < kElements; i += 2) {
-      const uint16_t pair = fp8_e4m3x2_from_floats(quotient(lanes[i]), quotient(lanes[i + 1]));
-      out.bytes[i] = uint8_t(pair);
-      out.bytes[i + 1] = uint8_t(pair >> 8);
+    for (int i = 0; i < kElements; i += 4) {
+      const uint32_t word = fp8_e4m3x4_from_floats(quotient(lanes[i]), quotient(lanes[i + 1]),
+                                                   quotient(lanes[i + 2]), quotient(lanes[i + 3]));
+      memcpy(out.bytes + i, &word, 4);
     }
   };
   if (divisor.by_reciprocal) {

@@ -214,13 +214,25 @@ TPF_HOST_DEVICE Fp8E4M3 fp8_e4m3_from_float(float x) {
 }
 
 #if defined(__CUDACC__)
+// E4M3's NaN is 0x7f (fp8_e4m3_from_float); the hardware conversion may give a NaN as 0xff, which
+// no other input gives: each 0xff byte of `bytes` becomes 0x7f (a byte's low 7 bits plus one
+// carry into its top bit only where they are all ones).
+__device__ __forceinline__ uint32_t fp8_e4m3_canonical_nans(uint32_t bytes) {
+  return bytes ^ (((bytes & 0x7f7f7f7fu) + 0x01010101u) & bytes & 0x80808080u);
+}
+
 // Two conversions in one instruction, `lo` into the low byte: fp8_e4m3_from_float's bits for
-// each, the NaN fix-up as selects.
+// each.
 __device__ __forceinline__ uint16_t fp8_e4m3x2_from_floats(float lo, float hi) {
   const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t low = lo != lo ? kFp8E4M3NaN : pair & 0xffu;
-  const uint32_t high = hi != hi ? kFp8E4M3NaN : pair >> 8;
-  return uint16_t(low | high << 8);
+  return uint16_t(fp8_e4m3_canonical_nans(pair));
+}
+
+// Four conversions, `x0` into the low byte, the NaN fix-up once for the four bytes.
+__device__ __forceinline__ uint32_t fp8_e4m3x4_from_floats(float x0, float x1, float x2, float x3) {
+  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(x2, x3), __NV_SATFINITE, __NV_E4M3);
+  return fp8_e4m3_canonical_nans(low | high << 16);
 }
 #endif
 
