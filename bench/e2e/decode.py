@@ -712,7 +712,10 @@ def _rank_main(rank, world, args, store_path, queue):
         import torch.distributed as dist
 
         device = init_rank(rank, world, args.cpu, store_path)
-        torch._inductor.config.force_disable_caches = True
+        # Every compile runs the passes (a graph-cache hit would skip them, and their counts);
+        # compiled kernels stay cached, so ranks that generate the same code build it once.
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
         if args.sdpa != "default":
             # One attention backend only (the default lets torch choose per call).
             for name in ("flash", "mem_efficient", "cudnn", "math"):

@@ -737,7 +737,8 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
 }
 
 // The FP8 output in each mode: random shapes (hidden a multiple of 128 with an odd number of
-// groups among them, tokens not a multiple of 4), residual or not, both weights, in place or
+// groups among them, widths whose 16-bit rows take two vectors a thread on the GPU among them,
+// tokens not a multiple of 4), residual or not, both weights, in place or
 // not; static scales small enough to saturate some elements (0.004: norms past 1.8), and every
 // fifth case a token of zeros on every rank (the dynamic scales' floor, zero bytes). Every check
 // of expect_correct and expect_quant_correct.
@@ -746,7 +747,7 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
   OneShotRunner runner(harness);
   const QuantMode modes[] = {QuantMode::kStatic, QuantMode::kPerToken,
                              QuantMode::kPerTokenGroup128};
-  const int64_t widths[] = {128, 384, 1152, 3072, 4096};
+  const int64_t widths[] = {128, 384, 1152, 3072, 4096, 4224, 7168};
   for (int c = 0; c < cases; ++c) {
     CaseSpec spec;
     spec.dtype = kDTypes[rng() % kDTypes.size()];

@@ -196,7 +196,10 @@ def _rank_main(rank, world, store_path, failures):
 
         import tpfuse
 
-        torch._inductor.config.force_disable_caches = True  # every compile runs the passes
+        # Every compile runs the passes (a graph-cache hit would skip them, and their counts);
+        # compiled kernels stay cached, so ranks that generate the same code build it once.
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                                 world_size=world)
         team = tpfuse.Team.from_group()
