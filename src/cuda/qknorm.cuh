@@ -770,7 +770,7 @@ bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_g
 inline bool qk_prefetch_enabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("TPFUSE_QK_PREFETCH");
-    return value == nullptr || value[0] == '\0' || value[0] != '0';
+    return value == nullptr || value[0] != '0';
   }();
   return enabled;
 }
