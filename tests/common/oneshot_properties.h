@@ -741,7 +741,7 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
 // tokens not a multiple of 4), residual or not, both weights, in place or
 // not; static scales small enough to saturate some elements (0.004: norms past 1.8), and every
 // fifth case a token of zeros on every rank (the dynamic scales' floor, zero bytes). Every check
-// of expect_correct and expect_quant_correct.
+// of expect_correct and expect_quant_correct, and norm_out the same bits as without FP8.
 inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
   std::mt19937_64 rng(seed);
   OneShotRunner runner(harness);
@@ -774,7 +774,17 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
         }
       }
     }
-    expect_correct(spec, data, runner.run(spec, data));
+    const CaseResult result = runner.run(spec, data);
+    expect_correct(spec, data, result);
+    // norm_out is the call's without the FP8 output, bit for bit (a kernel's FP8 form may hold a
+    // row in other threads: not in another order of the sum of squares).
+    CaseSpec plain = spec;
+    plain.quant = QuantMode::kNone;
+    const CaseResult without = runner.run(plain, data);
+    for (size_t r = 0; r < result.norm_out.size(); ++r) {
+      EXPECT_TRUE(result.norm_out[r].bytes == without.norm_out[r].bytes)
+          << describe(spec) << ": rank " << r << "'s norm_out differs from the call without FP8";
+    }
     if (::testing::Test::HasFailure()) return;
   }
 }
