@@ -244,11 +244,8 @@ __device__ __forceinline__ void fetch_headers(const Session& session, const Exch
                                               EarlyHeaders& early) {
   const int sender = int(threadIdx.x);
   if (blockIdx.x != 0 || sender >= session.world(x) || sender == x.rank) return;
-  const uint32_t destination = uint32_t(__cvta_generic_to_shared(&early.header[sender]));
-  asm volatile(
-      "cp.async.cg.shared.global [%0], [%1], 16;\n\tcp.async.commit_group;" ::"r"(destination),
-      "l"(session.received_header(x, sender))
-      : "memory");
+  copy_async(&early.header[sender], session.received_header(x, sender));
+  commit_async_copies();
 }
 
 // No function calls here or in the polls: any call in a kernel makes ptxas reserve the calling
