@@ -16,6 +16,9 @@ void cuda_twoshot(const TeamState& team, const RowCall& call, DType dtype,
                   const RowEpilogueKind& epilogue, cudaStream_t stream);
 void cuda_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                          cudaStream_t stream);
+// Whether cuda_local_epilogue takes this call's kernel in its staging form (local.cu), on the
+// current device.
+bool cuda_local_epilogue_stages(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
 // The MoE combine of a call (epilogue.moe) alone into out [tokens, hidden], rounded to dtype: the
 // NCCL path's contribution.
 void cuda_moe_combine(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue, void* out,

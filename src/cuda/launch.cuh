@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -46,13 +47,10 @@ void dispatch_vecs(int vecs_per_thread, Fn&& fn) {
   }
 }
 
-// How many blocks of `kernel` at `threads` threads fit on one multiprocessor at once, at most
-// kMaxBlocksPerMultiprocessor: the one-shot grid never exceeds what is resident together (its
-// blocks wait on peers whose packets other blocks of the peer's grid send). Cached per kernel.
-constexpr int kMaxBlocksPerMultiprocessor = 4;
-
+// How many blocks of `kernel` at `threads` threads and `shared_bytes` of dynamic shared memory
+// fit on one multiprocessor at once (0: none). Cached per kernel and shape.
 template <typename Kernel>
-int resident_blocks_per_multiprocessor(Kernel kernel, int threads, size_t shared_bytes) {
+int blocks_that_fit(Kernel kernel, int threads, size_t shared_bytes) {
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int, size_t>, int> cache;
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, shared_bytes);
@@ -62,11 +60,36 @@ int resident_blocks_per_multiprocessor(Kernel kernel, int threads, size_t shared
   int blocks = 0;
   TPF_CHECK_CUDA(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, shared_bytes));
-  TPF_CHECK_ARG(blocks > 0, "launch",
-                "the kernel cannot run " << threads << " threads per block on this device");
-  blocks = std::min(blocks, kMaxBlocksPerMultiprocessor);
   cache.emplace(key, blocks);
   return blocks;
+}
+
+// blocks_that_fit, at most kMaxBlocksPerMultiprocessor: the one-shot grid never exceeds what is
+// resident together (its blocks wait on peers whose packets other blocks of the peer's grid
+// send).
+constexpr int kMaxBlocksPerMultiprocessor = 4;
+
+template <typename Kernel>
+int resident_blocks_per_multiprocessor(Kernel kernel, int threads, size_t shared_bytes) {
+  const int blocks = blocks_that_fit(kernel, threads, shared_bytes);
+  TPF_CHECK_ARG(blocks > 0, "launch",
+                "the kernel cannot run " << threads << " threads per block on this device");
+  return std::min(blocks, kMaxBlocksPerMultiprocessor);
+}
+
+// Multiprocessors of the current device (cached per device).
+inline int current_device_multiprocessors() {
+  static std::mutex mutex;
+  static std::map<int, int> cache;
+  int device = 0;
+  TPF_CHECK_CUDA(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(device);
+  if (found != cache.end()) return found->second;
+  int multiprocessors = 0;
+  TPF_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  cache.emplace(device, multiprocessors);
+  return multiprocessors;
 }
 
 // Loads a kernel's code now. CUDA loads kernels lazily, at their first launch, and such a load

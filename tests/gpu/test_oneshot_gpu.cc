@@ -10,6 +10,8 @@
 #include <cstring>
 #include <memory>
 
+#include "core/calls.h"
+#include "cuda/kernels.h"
 #include "cuda_harness.h"
 #include "oneshot_properties.h"
 #include "qknorm_properties.h"
@@ -446,6 +448,136 @@ TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
       }
     }
   }
+}
+
+// Past one wave of blocks the local kernel stages each block's next row in shared memory
+// (local.cu): every row of a staged call has the bits the same row gets from calls of at most
+// 100 tokens (never staged: one block a row), for every epilogue, dtype, FP8 mode and a width of
+// each launch shape, out of place and in place; outputs poisoned first.
+TEST(GpuLocalAddRmsNorm, StagedRowsGiveTheBitsOfOneWaveCalls) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  std::mt19937_64 rng(19);
+  constexpr int64_t kChunk = 100;
+  int staged_cases = 0;
+  for (DType dtype : kDTypes) {
+    for (int64_t hidden : {136, 3072, 4224, 7168, 16384}) {
+      for (int form = 0; form < 6; ++form) {
+        const bool residual = form != 1;
+        const bool in_place = form == 2;
+        const NormWeight weight = form == 3 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
+        const QuantMode quant = form == 4   ? QuantMode::kPerToken
+                                : form == 5 ? QuantMode::kPerTokenGroup128
+                                : form == 1 ? QuantMode::kStatic
+                                            : QuantMode::kNone;
+        if (quant != QuantMode::kNone && hidden % 128 != 0) continue;
+        AddRmsNormArgs shape;
+        shape.hidden = hidden;
+        shape.dtype = dtype;
+        shape.norm_weight = weight;
+        shape.quant = quant;
+        // The fewest tokens of these that the kernel stages (more than one wave).
+        int64_t tokens = 0;
+        for (int64_t candidate : {700, 1500, 5000}) {
+          shape.tokens = candidate;
+          const impl::RowCall call = impl::make_row_call(nullptr, shape);
+          impl::RowEpilogueKind kind{residual, true, weight, quant != QuantMode::kNone, false};
+          if (impl::cuda_local_epilogue_stages(call, dtype, kind)) {
+            tokens = candidate;
+            break;
+          }
+        }
+        if (tokens == 0) continue;  // no staging form fits this shape's shared memory
+        ++staged_cases;
+        const size_t count = size_t(tokens * hidden), bytes = count * dtype_size(dtype);
+        const HostTensor input = random_tensor(rng, dtype, count);
+        const HostTensor residual_in = random_tensor(rng, dtype, count);
+        const HostTensor gamma = random_tensor(rng, dtype, size_t(hidden), 0.5);
+        const HostTensor poison = poisoned(dtype, count);
+        const std::vector<uint8_t> byte_poison(count, 0x5a);
+        const size_t scale_count =
+            quant == QuantMode::kPerTokenGroup128 ? count / 128 : size_t(tokens);
+        const std::vector<float> scale_poison(scale_count, -1.0f);
+        const float static_scale = 0.03f;
+        void* device_gamma = harness.allocate(0, gamma.bytes.size());
+        harness.upload(0, device_gamma, gamma.data(), gamma.bytes.size());
+        auto* device_static = static_cast<float*>(harness.allocate(0, sizeof(float)));
+        harness.upload(0, device_static, &static_scale, sizeof(float));
+        struct Outputs {
+          HostTensor residual_out, norm_out;
+          std::vector<uint8_t> quant_out;
+          std::vector<float> scales;
+        };
+        // One call of `tokens` tokens, or calls of kChunk tokens, on fresh buffers.
+        const auto run = [&](int64_t chunk) {
+          void* in = harness.allocate(0, bytes);
+          void* res = harness.allocate(0, bytes);
+          void* res_out = in_place ? res : harness.allocate(0, bytes);
+          void* norm = in_place ? in : harness.allocate(0, bytes);
+          void* q = harness.allocate(0, count);
+          auto* scales = static_cast<float*>(harness.allocate(0, scale_count * sizeof(float)));
+          harness.upload(0, in, input.data(), bytes);
+          harness.upload(0, res, residual_in.data(), bytes);
+          if (!in_place) {
+            harness.upload(0, res_out, poison.data(), bytes);
+            harness.upload(0, norm, poison.data(), bytes);
+          }
+          harness.upload(0, q, byte_poison.data(), count);
+          harness.upload(0, scales, scale_poison.data(), scale_count * sizeof(float));
+          const size_t row_bytes = size_t(hidden) * dtype_size(dtype);
+          const size_t scales_per_token = scale_count / size_t(tokens);
+          for (int64_t first = 0; first < tokens; first += chunk) {
+            AddRmsNormArgs args = shape;
+            args.tokens = std::min(chunk, tokens - first);
+            const auto at = [&](void* base) {
+              return static_cast<char*>(base) + first * row_bytes;
+            };
+            args.input = at(in);
+            args.residual = residual ? at(res) : nullptr;
+            args.residual_out = residual ? at(res_out) : nullptr;
+            args.norm_out = at(norm);
+            args.gamma = device_gamma;
+            if (quant != QuantMode::kNone) {
+              args.quant_out = static_cast<uint8_t*>(q) + first * hidden;
+              args.quant_scale = device_static;
+              args.scales_out = scales + size_t(first) * scales_per_token;
+            }
+            add_rmsnorm(Backend::kCuda, args, harness.stream(0));
+          }
+          Outputs out{HostTensor(dtype, count), HostTensor(dtype, count),
+                      std::vector<uint8_t>(count), std::vector<float>(scale_count)};
+          harness.download(0, out.norm_out.data(), norm, bytes);
+          if (residual) harness.download(0, out.residual_out.data(), res_out, bytes);
+          harness.download(0, out.quant_out.data(), q, count);
+          harness.download(0, out.scales.data(), scales, scale_count * sizeof(float));
+          return out;
+        };
+        const Outputs staged = run(tokens);
+        const Outputs chunked = run(kChunk);
+        const std::string where = std::string(dtype_name(dtype)) + " hidden " +
+                                  std::to_string(hidden) + " tokens " + std::to_string(tokens) +
+                                  " form " + std::to_string(form);
+        EXPECT_TRUE(staged.norm_out.bytes == chunked.norm_out.bytes) << where << ": norm_out";
+        EXPECT_NE(
+            std::memcmp(staged.norm_out.data(), poison.data(), size_t(hidden) * dtype_size(dtype)),
+            0)
+            << where << ": norm_out row 0 left poisoned";
+        EXPECT_TRUE(staged.residual_out.bytes == chunked.residual_out.bytes)
+            << where << ": residual_out";
+        if (quant != QuantMode::kNone) {
+          EXPECT_TRUE(staged.quant_out == chunked.quant_out) << where << ": quant_out";
+          if (quant != QuantMode::kStatic) {
+            EXPECT_EQ(std::memcmp(staged.scales.data(), chunked.scales.data(),
+                                  scale_count * sizeof(float)),
+                      0)
+                << where << ": scales_out";
+          }
+        }
+      }
+    }
+  }
+  // bf16 at 3072 and 7168 (the shapes of the benchmark) stage in every form.
+  EXPECT_GE(staged_cases, 12) << "staging forms run";
 }
 
 }  // namespace
