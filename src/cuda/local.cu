@@ -27,12 +27,14 @@ namespace {
 // in bf16: four blocks of 384 threads fit a multiprocessor instead of three; a tighter register
 // cap spills).
 //
-// kStage: past one wave the grid is what fits at once and a block takes rows token,
-// token + gridDim.x, ...; once a thread has its vectors of a row, it copies the same vectors of
-// the block's next row into shared memory (cp.async), so that row's loads are in flight during
-// this row's reduction, normalization and stores. Two buffers alternate: a copy never lands where
-// the thread is still reading. A thread reads back only what it copied, so no barrier is needed.
-// The MoE combine loads its rows as before.
+// kStage, for a kernel of which one block fits a multiprocessor (the two-vector FP8 forms at
+// hidden 7168, the four-vector ones): nothing else there would overlap a row's reduction and
+// stores, so past one wave the grid is what fits at once, a block takes rows token,
+// token + gridDim.x, ..., and once a thread has its vectors of a row it copies the same vectors
+// of the block's next row into shared memory (cp.async), in flight while this row finishes. Two
+// buffers alternate, so a copy never lands where the thread is still reading; a thread reads back
+// only what it copied, so no barrier is needed. (With two or more blocks resident the other blocks
+// overlap instead, and staging them measured slower.) The MoE combine loads its rows as before.
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
 __device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
   static_assert(!(kStage && Epilogue::kHasMoe), "the MoE combine loads its rows itself");
@@ -101,20 +103,6 @@ __global__ void __maxnreg__(56) local_epilogue_kernel_56(const RowCall p) {
   local_epilogue_rows<T, Epilogue, kVecsPerThread, kStage>(p);
 }
 
-// The FP8 forms with two vectors a thread (MoE aside; hidden 4104-8192 in bf16) take 101
-// registers at hidden 7168: one block of 448 threads a multiprocessor. Held to 72 (with spills),
-// two fit. Measured on one H200 at hidden 7168 (the ab/ of
-// bench/results/h200-20261202-eee69af-qk-many-tokens/): faster for the dynamic scales from 512
-// tokens on (0.93x at 1024, 0.91x at 4096), slower for the static scale at every count and for
-// every mode below 512 tokens (1.2x at 1-64): the launch picks it for the dynamic modes from
-// kCappedFrom tokens.
-template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
-__global__ void __maxnreg__(72) local_epilogue_kernel_72(const RowCall p) {
-  local_epilogue_rows<T, Epilogue, kVecsPerThread, kStage>(p);
-}
-
-constexpr int64_t kCappedFrom = 512;
-
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
 constexpr auto local_kernel() {
   if constexpr (Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 1) {
@@ -122,25 +110,6 @@ constexpr auto local_kernel() {
   } else {
     return local_epilogue_kernel<T, Epilogue, kVecsPerThread, kStage>;
   }
-}
-
-// Whether a call takes the 72-register form (above).
-template <typename Epilogue, int kVecsPerThread>
-constexpr bool has_capped_form() {
-  return Epilogue::kHasQuant && !Epilogue::kHasMoe && kVecsPerThread == 2;
-}
-
-bool capped_form_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("TPFUSE_LOCAL_CAPPED");
-    return value == nullptr || value[0] != '0';
-  }();
-  return enabled;
-}
-
-bool takes_capped_form(const RowCall& call) {
-  return capped_form_enabled() && call.tokens >= kCappedFrom &&
-         (call.quant == QuantMode::kPerToken || call.quant == QuantMode::kPerTokenGroup128);
 }
 
 // The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces.
@@ -181,9 +150,8 @@ constexpr size_t staged_bytes(int threads) {
   return 2 * size_t(Epilogue::kHasResidual ? 2 : 1) * kVecsPerThread * threads * sizeof(Vec16);
 }
 
-// A local epilogue kernel's launch: one block a token while the tokens fit at once, else (when
-// staging is on and its shared memory fits) the staging form on the blocks that fit with it; at
-// most kMaxLocalBlocks blocks.
+// A local epilogue kernel's launch: one block a token, or the staging form (local_epilogue_rows)
+// on the blocks that fit with its shared memory; at most kMaxLocalBlocks blocks.
 using LocalKernel = void (*)(RowCall);
 
 struct LocalLaunch {
@@ -220,11 +188,12 @@ bool allow_shared_bytes(LocalKernel kernel, size_t bytes) {
 template <typename Epilogue, int kVecsPerThread>
 LocalLaunch local_launch(LocalKernel plain, LocalKernel staging, const RowCall& call, int threads) {
   const int blocks = int(std::min(call.tokens, kMaxLocalBlocks));
+  const int64_t multiprocessors = current_device_multiprocessors();
   const size_t shared_bytes = staged_bytes<Epilogue, kVecsPerThread>(threads);
-  if (staging != nullptr && local_staging_enabled() && allow_shared_bytes(staging, shared_bytes)) {
-    const int64_t multiprocessors = current_device_multiprocessors();
+  if (staging != nullptr && local_staging_enabled() && call.tokens > multiprocessors &&
+      blocks_that_fit(plain, threads, 0) == 1 && allow_shared_bytes(staging, shared_bytes)) {
     const int64_t staged_blocks = multiprocessors * blocks_that_fit(staging, threads, shared_bytes);
-    if (call.tokens > multiprocessors * blocks_that_fit(plain, threads, 0) && staged_blocks > 0) {
+    if (staged_blocks > 0) {
       return {staging, int(std::min<int64_t>(blocks, staged_blocks)), threads, shared_bytes};
     }
   }
@@ -244,14 +213,6 @@ LocalLaunch local_launch_of(const RowCall& call, DType dtype, const RowEpilogueK
     if constexpr (Epilogue::kHasMoe) {
       chosen = local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(), nullptr,
                                              call, shape.threads);
-    } else if constexpr (has_capped_form<Epilogue, kVecs>()) {
-      chosen = takes_capped_form(call)
-                   ? local_launch<Epilogue, kVecs>(
-                         local_epilogue_kernel_72<T, Epilogue, kVecs, false>,
-                         local_epilogue_kernel_72<T, Epilogue, kVecs, true>, call, shape.threads)
-                   : local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(),
-                                                   local_kernel<T, Epilogue, kVecs, true>(), call,
-                                                   shape.threads);
     } else if constexpr (Epilogue::kHasNorm) {
       chosen = local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(),
                                              local_kernel<T, Epilogue, kVecs, true>(), call,
@@ -303,19 +264,12 @@ void cuda_preload_local_kernels() {
     using Epilogue = typename Tag::Epilogue;
     constexpr int kVecs = Tag::kVecs;
     if constexpr (Epilogue::kHasNorm) preload(local_kernel<T, Epilogue, kVecs, false>());
-    if constexpr (has_capped_form<Epilogue, kVecs>()) {
-      preload(local_epilogue_kernel_72<T, Epilogue, kVecs, false>);
-      preload(local_epilogue_kernel_72<T, Epilogue, kVecs, true>);
-    }
     if constexpr (Epilogue::kHasNorm && !Epilogue::kHasMoe) {
       // The shared memory the widest shape stages, allowed now rather than at a first call that
       // may be under graph capture.
       const size_t bytes = staged_bytes<Epilogue, kVecs>(kMaxThreads);
       preload(local_kernel<T, Epilogue, kVecs, true>());
       allow_shared_bytes(local_kernel<T, Epilogue, kVecs, true>(), bytes);
-      if constexpr (has_capped_form<Epilogue, kVecs>()) {
-        allow_shared_bytes(local_epilogue_kernel_72<T, Epilogue, kVecs, true>, bytes);
-      }
     }
     if constexpr (Epilogue::kHasMoe) {
       preload(moe_combine_kernel<T, Epilogue, kVecs>);
