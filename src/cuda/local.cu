@@ -27,14 +27,14 @@ namespace {
 // in bf16: four blocks of 384 threads fit a multiprocessor instead of three; a tighter register
 // cap spills).
 //
-// kStage, for a kernel of which one block fits a multiprocessor (the two-vector FP8 forms at
-// hidden 7168, the four-vector ones): nothing else there would overlap a row's reduction and
-// stores, so past one wave the grid is what fits at once, a block takes rows token,
-// token + gridDim.x, ..., and once a thread has its vectors of a row it copies the same vectors
-// of the block's next row into shared memory (cp.async), in flight while this row finishes. Two
-// buffers alternate, so a copy never lands where the thread is still reading; a thread reads back
-// only what it copied, so no barrier is needed. (With two or more blocks resident the other blocks
-// overlap instead, and staging them measured slower.) The MoE combine loads its rows as before.
+// kStage, for a two-vector kernel of which one block fits a multiprocessor (the FP8 forms at
+// hidden 7168 in bf16): nothing else there overlaps a row's reduction and stores with loads, so
+// past one wave the grid is what fits at once, a block takes rows token, token + gridDim.x, ...,
+// and once a thread has its vectors of a row it copies the same vectors of the block's next row
+// into shared memory (cp.async), in flight while this row finishes. Two buffers alternate, so a
+// copy never lands where the thread is still reading; a thread reads back only what it copied, so
+// no barrier is needed. (Staging measured slower where two or more blocks fit, and for the
+// four-vector forms, whose threads have twice the loads in flight.) Not for the MoE combine.
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
 __device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
   static_assert(!(kStage && Epilogue::kHasMoe), "the MoE combine loads its rows itself");
@@ -112,6 +112,21 @@ constexpr auto local_kernel() {
   }
 }
 
+using LocalKernel = void (*)(RowCall);
+
+// The vectors a thread of a staging form holds (above).
+constexpr int kStagedVecs = 2;
+
+// The staging form of a local kernel, or nullptr where it has none.
+template <typename T, typename Epilogue, int kVecsPerThread>
+LocalKernel staging_kernel() {
+  if constexpr (Epilogue::kHasMoe || kVecsPerThread != kStagedVecs) {
+    return nullptr;
+  } else {
+    return local_kernel<T, Epilogue, kVecsPerThread, true>();
+  }
+}
+
 // The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) moe_combine_kernel(const RowCall p, void* out) {
@@ -152,8 +167,6 @@ constexpr size_t staged_bytes(int threads) {
 
 // A local epilogue kernel's launch: one block a token, or the staging form (local_epilogue_rows)
 // on the blocks that fit with its shared memory; at most kMaxLocalBlocks blocks.
-using LocalKernel = void (*)(RowCall);
-
 struct LocalLaunch {
   LocalKernel kernel;
   int blocks;
@@ -214,9 +227,9 @@ LocalLaunch local_launch_of(const RowCall& call, DType dtype, const RowEpilogueK
       chosen = local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(), nullptr,
                                              call, shape.threads);
     } else if constexpr (Epilogue::kHasNorm) {
-      chosen = local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(),
-                                             local_kernel<T, Epilogue, kVecs, true>(), call,
-                                             shape.threads);
+      chosen =
+          local_launch<Epilogue, kVecs>(local_kernel<T, Epilogue, kVecs, false>(),
+                                        staging_kernel<T, Epilogue, kVecs>(), call, shape.threads);
     }
   });
   return chosen;
@@ -264,7 +277,7 @@ void cuda_preload_local_kernels() {
     using Epilogue = typename Tag::Epilogue;
     constexpr int kVecs = Tag::kVecs;
     if constexpr (Epilogue::kHasNorm) preload(local_kernel<T, Epilogue, kVecs, false>());
-    if constexpr (Epilogue::kHasNorm && !Epilogue::kHasMoe) {
+    if constexpr (Epilogue::kHasNorm && !Epilogue::kHasMoe && kVecs == kStagedVecs) {
       // The shared memory the widest shape stages, allowed now rather than at a first call that
       // may be under graph capture.
       const size_t bytes = staged_bytes<Epilogue, kVecs>(kMaxThreads);
