@@ -65,7 +65,10 @@ __device__ __forceinline__ void store_vector(void* base, int64_t index, const Ve
 
 // A reduction over the block in a fixed order (butterfly within warps, then warp 0 over the warp
 // results; warps past the block's count give `identity`): the same launch shape gives the same
-// bits on every rank and every call.
+// bits on every rank and every call. The next reduction on the same shared values needs no
+// barrier after this one: its writes of the warp values come after this one's second barrier,
+// which follows every read of them, and its write of the total after its own first barrier, which
+// follows every thread's read of this total.
 template <typename Combine>
 __device__ __forceinline__ float block_reduce(float value, float* shared_warp_values,
                                               float identity, Combine combine) {
@@ -86,9 +89,7 @@ __device__ __forceinline__ float block_reduce(float value, float* shared_warp_va
     if (lane == 0) shared_warp_values[32] = value;
   }
   __syncthreads();
-  const float total = shared_warp_values[32];
-  __syncthreads();  // the shared values may be reused by the next row
-  return total;
+  return shared_warp_values[32];
 }
 
 __device__ __forceinline__ float block_sum(float value, float* shared_warp_sums) {
