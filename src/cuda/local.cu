@@ -201,10 +201,12 @@ bool allow_shared_bytes(LocalKernel kernel, size_t bytes) {
 template <typename Epilogue, int kVecsPerThread>
 LocalLaunch local_launch(LocalKernel plain, LocalKernel staging, const RowCall& call, int threads) {
   const int blocks = int(std::min(call.tokens, kMaxLocalBlocks));
+  // Most calls have no staging form: they ask the device nothing.
+  if (staging == nullptr || !local_staging_enabled()) return {plain, blocks, threads, 0};
   const int64_t multiprocessors = current_device_multiprocessors();
   const size_t shared_bytes = staged_bytes<Epilogue, kVecsPerThread>(threads);
-  if (staging != nullptr && local_staging_enabled() && call.tokens > multiprocessors &&
-      blocks_that_fit(plain, threads, 0) == 1 && allow_shared_bytes(staging, shared_bytes)) {
+  if (call.tokens > multiprocessors && blocks_that_fit(plain, threads, 0) == 1 &&
+      allow_shared_bytes(staging, shared_bytes)) {
     const int64_t staged_blocks = multiprocessors * blocks_that_fit(staging, threads, shared_bytes);
     if (staged_blocks > 0) {
       return {staging, int(std::min<int64_t>(blocks, staged_blocks)), threads, shared_bytes};
@@ -276,13 +278,14 @@ void cuda_preload_local_kernels() {
     using T = typename Tag::T;
     using Epilogue = typename Tag::Epilogue;
     constexpr int kVecs = Tag::kVecs;
-    if constexpr (Epilogue::kHasNorm) preload(local_kernel<T, Epilogue, kVecs, false>());
-    if constexpr (Epilogue::kHasNorm && !Epilogue::kHasMoe && kVecs == kStagedVecs) {
-      // The shared memory the widest shape stages, allowed now rather than at a first call that
-      // may be under graph capture.
-      const size_t bytes = staged_bytes<Epilogue, kVecs>(kMaxThreads);
-      preload(local_kernel<T, Epilogue, kVecs, true>());
-      allow_shared_bytes(local_kernel<T, Epilogue, kVecs, true>(), bytes);
+    if constexpr (Epilogue::kHasNorm) {
+      preload(local_kernel<T, Epilogue, kVecs, false>());
+      if (const LocalKernel staging = staging_kernel<T, Epilogue, kVecs>()) {
+        // The shared memory the widest shape stages, allowed now rather than at a first call
+        // that may be under graph capture.
+        preload(staging);
+        allow_shared_bytes(staging, staged_bytes<Epilogue, kVecs>(kMaxThreads));
+      }
     }
     if constexpr (Epilogue::kHasMoe) {
       preload(moe_combine_kernel<T, Epilogue, kVecs>);
