@@ -35,6 +35,11 @@ namespace {
 // copy never lands where the thread is still reading; a thread reads back only what it copied, so
 // no barrier is needed. (Staging measured slower where two or more blocks fit, and for the
 // four-vector forms, whose threads have twice the loads in flight.) Not for the MoE combine.
+// Up to this many elements a call lets the next kernel launch as its blocks finish, above as they
+// start: the next grid's early blocks take residency from a small call's rows, while a large
+// call's drain overlaps the next launch (measured: bench/studies/h200-20261202-local-trigger).
+constexpr int64_t kLateTriggerElements = int64_t{1} << 21;
+
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
 __device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
   static_assert(!(kStage && Epilogue::kHasMoe), "the MoE combine loads its rows itself");
@@ -49,7 +54,8 @@ __device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
            int(threadIdx.x);
   };
   grid_dependency_wait();
-  launch_dependents();
+  const bool trigger_late = p.tokens * p.hidden <= kLateTriggerElements;
+  if (!trigger_late) launch_dependents();
   int buffer = 0;
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x, buffer ^= 1) {
     Vec16 input[kVecsPerThread], residual[kVecsPerThread];
@@ -88,6 +94,7 @@ __device__ __forceinline__ void local_epilogue_rows(const RowCall& p) {
     finish_row<T, kVecsPerThread, Epilogue>(acc, residual, GammaInMemory{p.gamma}, p, token,
                                             vectors, shared_sums, NoSend{});
   }
+  if (trigger_late) launch_dependents();
 }
 
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>
