@@ -221,13 +221,6 @@ __device__ __forceinline__ uint32_t fp8_e4m3_canonical_nans(uint32_t bytes) {
   return bytes ^ (((bytes & 0x7f7f7f7fu) + 0x01010101u) & bytes & 0x80808080u);
 }
 
-// Two conversions in one instruction, `lo` into the low byte: fp8_e4m3_from_float's bits for
-// each.
-__device__ __forceinline__ uint16_t fp8_e4m3x2_from_floats(float lo, float hi) {
-  const uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
-  return uint16_t(fp8_e4m3_canonical_nans(pair));
-}
-
 // Four conversions, `x0` into the low byte, the NaN fix-up once for the four bytes.
 __device__ __forceinline__ uint32_t fp8_e4m3x4_from_floats(float x0, float x1, float x2, float x3) {
   const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(x0, x1), __NV_SATFINITE, __NV_E4M3);
