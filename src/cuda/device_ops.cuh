@@ -126,9 +126,8 @@ __device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_s
     if (lane == 0) shared_warp_sums[32] = value;
   }
   __syncthreads();
-  const float2 total = shared_warp_sums[32];
-  __syncthreads();  // shared_warp_sums may be reused by the next row
-  return total;
+  // No barrier after: as for block_reduce, the next call's writes come after this one's barriers.
+  return shared_warp_sums[32];
 }
 
 // Error records (session.h). The first writer is decided in device memory: the control block's
