@@ -9,7 +9,7 @@
 # passes under CUDA graphs), bench/torch_host_overhead.py and bench/torch_qk_baseline.py. e2e:
 # the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it, E2E_ARGS=--fp8 ... runs
 # its FP8 model). profile: Nsight
-# Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_LAUNCHES).
+# Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_SKIP, PROFILE_LAUNCHES).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -183,8 +183,10 @@ if [[ " $STEPS " == *" profile "* ]]; then
   kernel=${PROFILE_KERNEL:-qk_rmsnorm_kernel}
   ncu_args=${PROFILE_NCU_ARGS:-"--section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy"}
   # shellcheck disable=SC2086  # ncu_args is a list of arguments
+  # PROFILE_SKIP skips that many matching launches first: the QK sweep runs the one-rank shape
+  # before MiniMax-M2's TP-2 slice, every token count in order.
   timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" \
-    --launch-count ${PROFILE_LAUNCHES:-12} $ncu_args \
+    --launch-skip ${PROFILE_SKIP:-0} --launch-count ${PROFILE_LAUNCHES:-12} $ncu_args \
     "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden ${PROFILE_HIDDEN:-6144} \
     --tokens ${PROFILE_TOKENS:-1,2} --ops-per-graph 1 --replays 1 --out "$OUT/profile-bench.json" \
     >"$OUT/ncu-profile.txt" 2>&1
