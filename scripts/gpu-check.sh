@@ -182,9 +182,9 @@ if [[ " $STEPS " == *" profile "* ]]; then
   # reasons as numbers).
   kernel=${PROFILE_KERNEL:-qk_rmsnorm_kernel}
   ncu_args=${PROFILE_NCU_ARGS:-"--section LaunchStats --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy"}
-  # shellcheck disable=SC2086  # ncu_args is a list of arguments
   # PROFILE_SKIP skips that many matching launches first: the QK sweep runs the one-rank shape
   # before MiniMax-M2's TP-2 slice, every token count in order.
+  # shellcheck disable=SC2086  # ncu_args is a list of arguments
   timeout 240 ncu --clock-control none --kernel-name "regex:$kernel" \
     --launch-skip ${PROFILE_SKIP:-0} --launch-count ${PROFILE_LAUNCHES:-12} $ncu_args \
     "$BUILD/bench/tpfuse-bench" --world 1 --backend cuda --hidden ${PROFILE_HIDDEN:-6144} \
