@@ -13,7 +13,7 @@ common=(-G Ninja -DTPFUSE_CUDA=OFF -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_BENCH=OFF -
 status=0
 
 if [[ " $STEPS " == *" asan "* ]]; then
-  echo "=== address + undefined"
+  echo "=== address + undefined (sanitize-cpu +${SECONDS}s)"
   cmake -S . -B build/asan "${common[@]}" -DTPFUSE_SANITIZE=address,undefined >/dev/null
   cmake --build build/asan
   # The heaviest soaks run in the plain build; here every suite, their long cases filtered (the
@@ -25,7 +25,7 @@ if [[ " $STEPS " == *" asan "* ]]; then
 fi
 
 if [[ " $STEPS " == *" tsan "* ]]; then
-  echo "=== thread"
+  echo "=== thread (sanitize-cpu +${SECONDS}s)"
   cmake -S . -B build/tsan "${common[@]}" -DTPFUSE_SANITIZE=thread >/dev/null
   cmake --build build/tsan
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
@@ -35,7 +35,7 @@ if [[ " $STEPS " == *" tsan "* ]]; then
 fi
 
 if [[ " $STEPS " == *" fuzz "* ]]; then
-  echo "=== libFuzzer: argument validation, ${FUZZ_SECONDS:-60} s"
+  echo "=== libFuzzer: argument validation, ${FUZZ_SECONDS:-60} s (sanitize-cpu +${SECONDS}s)"
   CXX=${FUZZ_CXX:-clang++} cmake -S . -B build/fuzz "${common[@]}" -DTPFUSE_BUILD_TESTS=OFF \
     -DTPFUSE_SANITIZE=address,undefined -DTPFUSE_FUZZ=ON >/dev/null
   cmake --build build/fuzz --target fuzz_arguments
