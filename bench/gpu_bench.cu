@@ -576,13 +576,23 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
 #else
         double unfused = std::numeric_limits<double>::quiet_NaN();
 #endif
+        double floor = std::numeric_limits<double>::quiet_NaN();
+        if (!rope) {
+          // The floor: q and k read and written back in place, nothing else (rank 0's GPU).
+          floor = gpu.measure(barrier, plan, is_rank0, [&](const DeviceBufferSet& set) {
+            rows_in_place_copy_device(set.input, tokens, qk_row, q_size + kv_size, dtype, stream);
+          });
+          add("allreduce_qk_rmsnorm", "hbm_in_place_copy", q_size + kv_size, tokens, 1, floor,
+              false);
+          records.back().shape = label;
+        }
         if (is_rank0) {
           std::fprintf(stderr,
                        "qk norm%s q %lld + k %lld, tokens %lld (us/op, rank 0): tpfuse %.2f  "
-                       "unfused %.2f\n",
+                       "unfused %.2f  in-place copy %.2f\n",
                        rope ? "+rope" : "", static_cast<long long>(q_size),
-                       static_cast<long long>(kv_size), static_cast<long long>(tokens), us,
-                       unfused);
+                       static_cast<long long>(kv_size), static_cast<long long>(tokens), us, unfused,
+                       floor);
         }
       }
     }

@@ -238,6 +238,28 @@ __global__ void quantize_fp8_kernel(const impl::Vec16* norm, int64_t vectors, Qu
   }
 }
 
+// Four 16-byte vectors a thread, all loaded before any is stored; `flip` (0) keeps the stores.
+__global__ void rows_in_place_copy_kernel(impl::Vec16* data, int64_t tokens, int64_t row_vectors,
+                                          int64_t width_vectors, uint32_t flip) {
+  constexpr int kUnroll = 4;
+  const int64_t count = tokens * width_vectors;
+  const int64_t base = (int64_t(blockIdx.x) * blockDim.x) * kUnroll + threadIdx.x;
+  impl::Vec16 values[kUnroll];
+  int64_t at[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + int64_t(u) * blockDim.x;
+    at[u] = i < count ? (i / width_vectors) * row_vectors + i % width_vectors : -1;
+    if (at[u] >= 0) values[u] = data[at[u]];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (at[u] < 0) continue;
+    values[u].word[0] ^= flip;
+    data[at[u]] = values[u];
+  }
+}
+
 }  // namespace
 
 void moe_combine_device(const void* rows, const float* weights, int topk, int64_t tokens,
@@ -251,6 +273,18 @@ void moe_combine_device(const void* rows, const float* weights, int topk, int64_
                                                           weights, topk, tokens, vectors,
                                                           static_cast<impl::Vec16*>(out));
   });
+  TPF_CHECK_CUDA(cudaGetLastError());
+}
+
+void rows_in_place_copy_device(void* data, int64_t tokens, int64_t row, int64_t width, DType dtype,
+                               cudaStream_t stream) {
+  const int64_t elements = int64_t(16 / dtype_size(dtype));
+  const int64_t count = tokens * (width / elements);
+  if (count <= 0) return;
+  constexpr int kThreads = 256;
+  const int64_t blocks = (count + 4 * kThreads - 1) / (4 * kThreads);
+  rows_in_place_copy_kernel<<<int(blocks), kThreads, 0, stream>>>(
+      static_cast<impl::Vec16*>(data), tokens, row / elements, width / elements, 0u);
   TPF_CHECK_CUDA(cudaGetLastError());
 }
 

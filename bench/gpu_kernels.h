@@ -54,6 +54,12 @@ void quantize_fp8_device(const void* norm, int64_t tokens, int64_t hidden, DType
                          QuantMode mode, const float* static_scale, void* quant_out, float* scales,
                          cudaStream_t stream);
 
+// Reads the first `width` elements of each of `tokens` rows of `row` elements and writes them
+// back in place (16-byte vectors, several in flight a thread, no arithmetic): the memory traffic
+// of an in-place QK norm of q and k, its floor. `width` and `row` are multiples of a vector.
+void rows_in_place_copy_device(void* data, int64_t tokens, int64_t row, int64_t width, DType dtype,
+                               cudaStream_t stream);
+
 // Enables peer access from the current device to `peer`; already enabled is fine.
 void enable_peer_access(int device, int peer);
 

@@ -138,8 +138,10 @@ if [[ " $STEPS " == *" experiments "* ]]; then
   mkdir -p "$OUT/experiments"
   for setting in ${EXPERIMENTS:-base}; do
     name=${setting//=/-}
+    name=${name//,/_}
     assignment=()
-    [ "$setting" = base ] || assignment=("$setting")
+    # An entry may set several variables, comma-separated (A=1,B=2).
+    [ "$setting" = base ] || IFS=, read -ra assignment <<<"$setting"
     env "${assignment[@]}" TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} \
       "$BUILD/bench/tpfuse-bench" --out "$OUT/experiments/$name.json" ${EXPERIMENT_ARGS:-} \
       >"$OUT/experiments/$name.log" 2>&1 || status=1

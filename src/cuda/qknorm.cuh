@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
 
 #include "core/calls.h"
 #include "core/error.h"
@@ -441,17 +442,33 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 // has finished with it. Blocks wait on peers group by group; tokens go to blocks in increasing
 // order, so the lowest token any block waits for has always been sent (no deadlock whatever the
 // peers' grids). The grid is at most what is resident at once, as for the one-token kernel.
+// How a block of the many-token kernel goes through its groups:
+//   kLoad      each group loaded, sent, waited for and finished before the next is loaded;
+//   kPrefetch  as kLoad, the next group copied into shared memory while this one waits;
+//   kSweep     in chunks of rounds of the grid (a round: one group a block; `sweep_rounds` a
+//              chunk): steps 1 and 2 for every group of the chunk, then steps 3 and 4 for each,
+//              its values loaded again (from L2: the chunk's values were just read). No block
+//              waits before it has sent every packet of its chunk, so a block's wait on the
+//              first group of a chunk overlaps the sends of the rest, and a peer's packets are
+//              usually there by then. Deadlock-free for the same reason (the lowest chunk any
+//              block waits on has been sent by every resident block); the values are read
+//              twice, the second time from L2 while the chunk fits it.
+enum class GroupSchedule { kLoad, kPrefetch, kSweep };
+
 // Blocks a multiprocessor the many-token kernel is compiled for (0: ptxas's choice). With one
 // vector a thread and RoPE in registers, the prefetch took 100 registers unbounded (one block of
 // 448 threads resident instead of two); held to two blocks it fits 64 with 16 bytes spilled.
-template <int kVecsPerThread, bool kPrefetch>
-constexpr int kGroupKernelMinBlocks = kPrefetch&& kVecsPerThread == 1 ? 2 : 0;
+template <int kVecsPerThread, GroupSchedule kSchedule>
+constexpr int kGroupKernelMinBlocks =
+    kSchedule != GroupSchedule::kLoad&& kVecsPerThread == 1 ? 2 : 0;
 
 template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, int kGroup,
-          bool kPrefetch>
-__global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThread, kPrefetch>)
-    qk_rmsnorm_group_kernel(const QkCall p) {
+          GroupSchedule kSchedule>
+__global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThread, kSchedule>)
+    qk_rmsnorm_group_kernel(const QkCall p, int sweep_rounds) {
   static_assert(kRope != RopePath::kShared, "the shared-memory RoPE takes a token at a time");
+  constexpr bool kPrefetch = kSchedule == GroupSchedule::kPrefetch;
+  constexpr bool kSweep = kSchedule == GroupSchedule::kSweep;
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
@@ -528,7 +545,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     shared_state = state;
   }
   load_group(int64_t(blockIdx.x) * kGroup);
-  load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
+  if constexpr (!kSweep) load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
   if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
     send_qk_header<kWorldSize>(state, p);
   Vec16 gammas[kVecsPerThread];
@@ -548,17 +565,10 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // A thread of a warp that sends nothing counts the block in (else lane 1 of warp 0).
   const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
 
-  int buffer = 0;
-  for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
+  // Step 2 of group `group` (its values loaded): the sums, barrier A and the packets; in the
+  // block's first group also the once-a-call steps. False: the team has failed (nothing sent).
+  const auto send_group = [&](int64_t group, int buffer, bool first_of_block) -> bool {
     const int64_t first = group * kGroup;
-    if (group != blockIdx.x) {
-      if constexpr (kPrefetch) {
-        take_prefetched(first);
-      } else {
-        load_group(first);
-      }
-      load_rope_rows(first, buffer);
-    }
     // 2. Sums of squares per token: this thread's, then its warp's.
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
@@ -586,7 +596,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       if (group + gridDim.x < groups) prefetch_group((group + gridDim.x) * kGroup);
     }
     __syncthreads();  // A: the warp sums, and (first group) what thread 0 read
-    if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
+    if (first_of_block && shared_state.failed != 0) return false;  // a failed team sends nothing
     const GpuSession<kWorldSize> session(shared_state);
     const int64_t token = first + warp;
     const bool sender = warp < kGroup && token < p.tokens;
@@ -599,13 +609,22 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       }
       if (lane == 0) send_qk_packet(session, p, token, sums);
     }
-    if (group == blockIdx.x) {
+    if (first_of_block) {
       // The one-token kernel's step 3, once a call.
       if (threadIdx.x == arriver) session.arrive(control, uint64_t(p.tokens) * sizeof(Vec16));
       launch_dependents();
       session.clear_previous(p.exchange);
       fetch_headers(session, p.exchange, early_headers);
     }
+    return true;
+  };
+  // Steps 3 and 4 of group `group` (its values loaded, its packets sent; with RoPE its cos/sin
+  // rows copied into `buffer`): the scales, barrier B, the norm, the rotation and the stores.
+  const auto finish_group = [&](int64_t group, int buffer) {
+    const int64_t first = group * kGroup;
+    const GpuSession<kWorldSize> session(shared_state);
+    const int64_t token = first + warp;
+    const bool sender = warp < kGroup && token < p.tokens;
     // 3. Receive: W polls in flight, the sum in rank order, the scales.
     if (sender && lane == 0) {
       constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorldSize;
@@ -706,6 +725,40 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         }
       }
     }
+  };
+
+  if constexpr (kSweep) {
+    // Chunks of `sweep_rounds` rounds of the grid (a round: a group a block; 0: the whole call
+    // one chunk): every group of a chunk sent, then every group of it finished, its values
+    // loaded again (from L2, which holds what the chunk read).
+    const int64_t chunk_groups = sweep_rounds > 0 ? int64_t(sweep_rounds) * gridDim.x : groups;
+    int buffer = 0;
+    for (int64_t chunk = 0; chunk < groups; chunk += chunk_groups) {
+      const int64_t end = chunk + chunk_groups < groups ? chunk + chunk_groups : groups;
+      for (int64_t group = chunk + blockIdx.x; group < end; group += gridDim.x, buffer ^= 1) {
+        if (group != blockIdx.x) load_group(group * kGroup);
+        if (!send_group(group, buffer, group == blockIdx.x)) return;
+      }
+      for (int64_t group = chunk + blockIdx.x; group < end; group += gridDim.x, buffer ^= 1) {
+        load_group(group * kGroup);
+        load_rope_rows(group * kGroup, buffer);
+        finish_group(group, buffer);
+      }
+    }
+  } else {
+    int buffer = 0;
+    for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
+      if (group != blockIdx.x) {
+        if constexpr (kPrefetch) {
+          take_prefetched(group * kGroup);
+        } else {
+          load_group(group * kGroup);
+        }
+        load_rope_rows(group * kGroup, buffer);
+      }
+      if (!send_group(group, buffer, group == blockIdx.x)) return;
+      finish_group(group, buffer);
+    }
   }
   const GpuSession<kWorldSize> session(shared_state);
   check_header(session, p.exchange, p.signature, early_headers);
@@ -765,14 +818,27 @@ bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_g
   return tokens > kQkTokenGroup * group_grid() / 4;
 }
 
-// Whether the many-token kernel prefetches the next group (its kPrefetch); TPFUSE_QK_PREFETCH=0
-// turns it off (read once), for A/B runs.
-inline bool qk_prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("TPFUSE_QK_PREFETCH");
-    return value == nullptr || value[0] != '0';
+// The many-token kernel's schedule: kPrefetch unless TPFUSE_QK_SCHEDULE says load, prefetch or
+// sweep (read once, for A/B runs); TPFUSE_QK_SWEEP_ROUNDS: kSweep's rounds a chunk (default 0:
+// the whole call one chunk).
+inline GroupSchedule qk_group_schedule() {
+  static const GroupSchedule schedule = [] {
+    const char* value = std::getenv("TPFUSE_QK_SCHEDULE");
+    const std::string name = value == nullptr ? "" : value;
+    if (name == "load") return GroupSchedule::kLoad;
+    if (name == "sweep") return GroupSchedule::kSweep;
+    if (name.empty() || name == "prefetch") return GroupSchedule::kPrefetch;
+    TPF_FAIL("TPFUSE_QK_SCHEDULE is '" << name << "': expected load, prefetch or sweep");
   }();
-  return enabled;
+  return schedule;
+}
+
+inline int qk_sweep_rounds() {
+  static const int rounds = [] {
+    const char* value = std::getenv("TPFUSE_QK_SWEEP_ROUNDS");
+    return value != nullptr && value[0] != '\0' ? std::max(0, std::atoi(value)) : 0;
+  }();
+  return rounds;
 }
 
 // The many-token kernel's dynamic shared memory: with RoPE in registers two buffers of kGroup
@@ -831,13 +897,23 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
             // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
             constexpr int kGroup = kQkTokenGroup;
-            const bool prefetch = qk_prefetch_enabled() &&
-                                  group_kernel_shared_bytes(params, kRope, true, sizeof(T)) <=
-                                      size_t(kGroupKernelMaxSharedBytes);
-            const auto kernel =
-                prefetch ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, true>
-                         : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, false>;
-            const size_t bytes = group_kernel_shared_bytes(params, kRope, prefetch, sizeof(T));
+            GroupSchedule schedule = qk_group_schedule();
+            if (schedule == GroupSchedule::kPrefetch &&
+                group_kernel_shared_bytes(params, kRope, true, sizeof(T)) >
+                    size_t(kGroupKernelMaxSharedBytes)) {
+              schedule = GroupSchedule::kLoad;
+            }
+            using Kernel = void (*)(QkCall, int);
+            const Kernel kernel = schedule == GroupSchedule::kSweep
+                                      ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                                GroupSchedule::kSweep>
+                                  : schedule == GroupSchedule::kPrefetch
+                                      ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                                GroupSchedule::kPrefetch>
+                                      : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                                GroupSchedule::kLoad>;
+            const size_t bytes = group_kernel_shared_bytes(
+                params, kRope, schedule == GroupSchedule::kPrefetch, sizeof(T));
             const auto grid = [&] {
               return int64_t(team.multiprocessors) *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
@@ -846,7 +922,7 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
                 takes_many_token_kernel(params.tokens, team.multiprocessors, grid)) {
               const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
               return launch(kernel, int(std::min(groups, grid())), shape.threads, bytes, stream,
-                            params);
+                            params, qk_sweep_rounds());
             }
           }
           if constexpr (kVecs <= 2) {
@@ -878,9 +954,13 @@ void QkKernels<T>::preload_kernels(int world_size) {
                 preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused, true>);
               }
               if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
-                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, false>);
+                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
+                                                GroupSchedule::kLoad>);
+                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
+                                                GroupSchedule::kSweep>);
                 const auto prefetching =
-                    qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, true>;
+                    qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
+                                            GroupSchedule::kPrefetch>;
                 preload(prefetching);
                 TPF_CHECK_CUDA(cudaFuncSetAttribute(prefetching,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
