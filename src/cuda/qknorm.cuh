@@ -452,8 +452,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 //              first group of a chunk overlaps the sends of the rest, and a peer's packets are
 //              usually there by then. Deadlock-free for the same reason (the lowest chunk any
 //              block waits on has been sent by every resident block); the values are read
-//              twice, the second time from L2 while the chunk fits it.
-enum class GroupSchedule { kLoad, kPrefetch, kSweep };
+//              twice, the second time from L2 while the chunk fits it;
+//   kPipeline  the block's groups copied into a ring of kPipelineStages shared-memory buffers
+//              with cp.async, two groups ahead; group j+1 is summed and sent before group j is
+//              waited for and finished, so the wait overlaps the next group's sends and the
+//              copies of the one after. The values are read from global memory once (and from
+//              shared memory twice); deadlock-free as kSweep (a block has sent every group it
+//              waits on, and the groups before them).
+enum class GroupSchedule { kLoad, kPrefetch, kSweep, kPipeline };
+
+// Shared-memory buffers of kGroup tokens kPipeline cycles through (two in flight, one finishing).
+constexpr int kPipelineStages = 3;
 
 // Blocks a multiprocessor the many-token kernel is compiled for (0: ptxas's choice). With one
 // vector a thread and RoPE in registers, the prefetch took 100 registers unbounded (one block of
@@ -469,6 +478,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   static_assert(kRope != RopePath::kShared, "the shared-memory RoPE takes a token at a time");
   constexpr bool kPrefetch = kSchedule == GroupSchedule::kPrefetch;
   constexpr bool kSweep = kSchedule == GroupSchedule::kSweep;
+  constexpr bool kPipeline = kSchedule == GroupSchedule::kPipeline;
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
@@ -479,7 +489,8 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   const int warps = int((blockDim.x + 31) / 32);
-  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors.
+  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors
+  // (kPipeline: kPipelineStages groups').
   extern __shared__ __align__(16) float rope_shared[];
   __shared__ float2 warp_sums[2][kGroup][32];
   __shared__ float shared_scale[2][kGroup][2];
@@ -521,6 +532,20 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       values[g][i] = prefetched[g * vectors + c];
     });
   };
+  // kPipeline: a group copied into stage `stage` of the ring (a batch of its own, committed even
+  // when this thread copies nothing), and taken from it into `values`. Each thread copies and
+  // takes only its own vectors, so no barrier orders them.
+  const auto stage_group = [&](int64_t first, int stage) {
+    for_each_vector(first, [&](int g, int, int64_t c, const Vec16* source) {
+      copy_async(prefetched + (stage * kGroup + g) * vectors + c, source);
+    });
+    commit_async_copies();
+  };
+  const auto take_stage = [&](int64_t first, int stage) {
+    for_each_vector(first, [&](int g, int i, int64_t c, const Vec16*) {
+      values[g][i] = prefetched[(stage * kGroup + g) * vectors + c];
+    });
+  };
   const auto bounded_position = [&](int64_t position) {
     return position >= 0 && position < p.max_position ? position : int64_t(-1);
   };
@@ -544,7 +569,12 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     state = read_call_state<GridCoop>(control);
     shared_state = state;
   }
-  load_group(int64_t(blockIdx.x) * kGroup);
+  if constexpr (kPipeline) {
+    stage_group(int64_t(blockIdx.x) * kGroup, 0);
+    if (blockIdx.x + gridDim.x < groups) stage_group(int64_t(blockIdx.x + gridDim.x) * kGroup, 1);
+  } else {
+    load_group(int64_t(blockIdx.x) * kGroup);
+  }
   if constexpr (!kSweep) load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
   if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
     send_qk_header<kWorldSize>(state, p);
@@ -745,6 +775,34 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         finish_group(group, buffer);
       }
     }
+  } else if constexpr (kPipeline) {
+    // The block's groups blockIdx.x + j * gridDim.x for j < mine (the grid is at most the
+    // groups). Stage j % kPipelineStages holds group j; group j+2's copies are issued before
+    // group j+1's are waited for (all but the batch committed last).
+    const int64_t mine = (groups - blockIdx.x + gridDim.x - 1) / gridDim.x;
+    if (mine > 1) {
+      wait_async_copies_but<1>();
+    } else {
+      wait_async_copies();
+    }
+    take_stage(int64_t(blockIdx.x) * kGroup, 0);
+    if (!send_group(blockIdx.x, 0, true)) return;
+    for (int64_t j = 0; j < mine; ++j) {
+      const int64_t group = blockIdx.x + j * gridDim.x, next = group + gridDim.x;
+      if (j + 2 < mine) stage_group((next + gridDim.x) * kGroup, int((j + 2) % kPipelineStages));
+      if (j + 1 < mine) {
+        if (j + 2 < mine) {
+          wait_async_copies_but<1>();
+        } else {
+          wait_async_copies();
+        }
+        take_stage(next * kGroup, int((j + 1) % kPipelineStages));
+        send_group(next, int((j + 1) & 1), false);
+        load_rope_rows(next * kGroup, int((j + 1) & 1));
+      }
+      take_stage(group * kGroup, int(j % kPipelineStages));
+      finish_group(group, int(j & 1));
+    }
   } else {
     int buffer = 0;
     for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
@@ -818,17 +876,18 @@ bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_g
   return tokens > kQkTokenGroup * group_grid() / 4;
 }
 
-// The many-token kernel's schedule: kPrefetch unless TPFUSE_QK_SCHEDULE says load, prefetch or
-// sweep (read once, for A/B runs); TPFUSE_QK_SWEEP_ROUNDS: kSweep's rounds a chunk (default 0:
-// the whole call one chunk).
+// The many-token kernel's schedule: kPrefetch unless TPFUSE_QK_SCHEDULE says load, prefetch,
+// sweep or pipeline (read once, for A/B runs); TPFUSE_QK_SWEEP_ROUNDS: kSweep's rounds a chunk
+// (default 0: the whole call one chunk).
 inline GroupSchedule qk_group_schedule() {
   static const GroupSchedule schedule = [] {
     const char* value = std::getenv("TPFUSE_QK_SCHEDULE");
     const std::string name = value == nullptr ? "" : value;
     if (name == "load") return GroupSchedule::kLoad;
     if (name == "sweep") return GroupSchedule::kSweep;
+    if (name == "pipeline") return GroupSchedule::kPipeline;
     if (name.empty() || name == "prefetch") return GroupSchedule::kPrefetch;
-    TPF_FAIL("TPFUSE_QK_SCHEDULE is '" << name << "': expected load, prefetch or sweep");
+    TPF_FAIL("TPFUSE_QK_SCHEDULE is '" << name << "': expected load, prefetch, sweep or pipeline");
   }();
   return schedule;
 }
@@ -842,20 +901,23 @@ inline int qk_sweep_rounds() {
 }
 
 // The many-token kernel's dynamic shared memory: with RoPE in registers two buffers of kGroup
-// cos/sin rows, and with kPrefetch a group's q and k vectors.
-inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, bool prefetch,
+// cos/sin rows, and kPrefetch one group's q and k vectors, kPipeline kPipelineStages groups'.
+inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, GroupSchedule schedule,
                                         size_t element_size) {
   const size_t rope = path == RopePath::kRegisters
                           ? size_t(2 * kQkTokenGroup * params.rotary_dim) * sizeof(float)
                           : 0;
-  return rope + (prefetch
-                     ? size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) * element_size
-                     : 0);
+  const int staged = schedule == GroupSchedule::kPipeline   ? kPipelineStages
+                     : schedule == GroupSchedule::kPrefetch ? 1
+                                                            : 0;
+  return rope + size_t(staged) * size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) *
+                    element_size;
 }
 
-// The most dynamic shared memory the prefetching kernel is allowed (set once per device when the
-// team preloads its kernels): four tokens of the widest row one block takes (512 threads of two
-// vectors: 16 KiB a token) and their cos/sin rows.
+// The most dynamic shared memory the staging kernels are allowed (set once per device when the
+// team preloads its kernels): kPrefetch's four tokens of the widest row one block takes (512
+// threads of two vectors: 16 KiB a token) and their cos/sin rows; kPipeline's three groups of
+// MiniMax-M2's TP-2 slice (7 KiB a token in bf16; two such blocks fit a multiprocessor).
 constexpr int kGroupKernelMaxSharedBytes = 96 * 1024;
 
 // The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
@@ -897,23 +959,37 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
             // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
             constexpr int kGroup = kQkTokenGroup;
+            // A staging schedule whose buffers exceed the allowance falls back to the next.
             GroupSchedule schedule = qk_group_schedule();
-            if (schedule == GroupSchedule::kPrefetch &&
-                group_kernel_shared_bytes(params, kRope, true, sizeof(T)) >
-                    size_t(kGroupKernelMaxSharedBytes)) {
+            const auto fits = [&](GroupSchedule candidate) {
+              return group_kernel_shared_bytes(params, kRope, candidate, sizeof(T)) <=
+                     size_t(kGroupKernelMaxSharedBytes);
+            };
+            if (schedule == GroupSchedule::kPipeline && !fits(schedule)) {
+              schedule = GroupSchedule::kPrefetch;
+            }
+            if (schedule == GroupSchedule::kPrefetch && !fits(schedule)) {
               schedule = GroupSchedule::kLoad;
             }
-            using Kernel = void (*)(QkCall, int);
-            const Kernel kernel = schedule == GroupSchedule::kSweep
-                                      ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                                GroupSchedule::kSweep>
-                                  : schedule == GroupSchedule::kPrefetch
-                                      ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                                GroupSchedule::kPrefetch>
-                                      : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                                GroupSchedule::kLoad>;
-            const size_t bytes = group_kernel_shared_bytes(
-                params, kRope, schedule == GroupSchedule::kPrefetch, sizeof(T));
+            const auto kernel_for = [&](GroupSchedule chosen) {
+              using Kernel = void (*)(QkCall, int);
+              switch (chosen) {
+                case GroupSchedule::kPrefetch:
+                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                        GroupSchedule::kPrefetch>);
+                case GroupSchedule::kSweep:
+                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                        GroupSchedule::kSweep>);
+                case GroupSchedule::kPipeline:
+                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                        GroupSchedule::kPipeline>);
+                default:
+                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
+                                                        GroupSchedule::kLoad>);
+              }
+            };
+            const auto kernel = kernel_for(schedule);
+            const size_t bytes = group_kernel_shared_bytes(params, kRope, schedule, sizeof(T));
             const auto grid = [&] {
               return int64_t(team.multiprocessors) *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
@@ -958,13 +1034,16 @@ void QkKernels<T>::preload_kernels(int world_size) {
                                                 GroupSchedule::kLoad>);
                 preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
                                                 GroupSchedule::kSweep>);
-                const auto prefetching =
-                    qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
-                                            GroupSchedule::kPrefetch>;
-                preload(prefetching);
-                TPF_CHECK_CUDA(cudaFuncSetAttribute(prefetching,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kGroupKernelMaxSharedBytes));
+                for (const auto staging :
+                     {qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
+                                              GroupSchedule::kPrefetch>,
+                      qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
+                                              GroupSchedule::kPipeline>}) {
+                  preload(staging);
+                  TPF_CHECK_CUDA(cudaFuncSetAttribute(staging,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      kGroupKernelMaxSharedBytes));
+                }
               }
               preload(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>);
             }
