@@ -239,12 +239,6 @@ __device__ __forceinline__ void wait_async_copies() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// Waits for all of the thread's batches but the kPending it committed last.
-template <int kPending>
-__device__ __forceinline__ void wait_async_copies_but() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
 template <typename Session>
 __device__ __forceinline__ void fetch_headers(const Session& session, const Exchange& x,
                                               EarlyHeaders& early) {

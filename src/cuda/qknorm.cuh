@@ -38,7 +38,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <string>
 
 #include "core/calls.h"
 #include "core/error.h"
@@ -442,43 +441,17 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 // has finished with it. Blocks wait on peers group by group; tokens go to blocks in increasing
 // order, so the lowest token any block waits for has always been sent (no deadlock whatever the
 // peers' grids). The grid is at most what is resident at once, as for the one-token kernel.
-// How a block of the many-token kernel goes through its groups:
-//   kLoad      each group loaded, sent, waited for and finished before the next is loaded;
-//   kPrefetch  as kLoad, the next group copied into shared memory while this one waits;
-//   kSweep     in chunks of rounds of the grid (a round: one group a block; `sweep_rounds` a
-//              chunk): steps 1 and 2 for every group of the chunk, then steps 3 and 4 for each,
-//              its values loaded again (from L2: the chunk's values were just read). No block
-//              waits before it has sent every packet of its chunk, so a block's wait on the
-//              first group of a chunk overlaps the sends of the rest, and a peer's packets are
-//              usually there by then. Deadlock-free for the same reason (the lowest chunk any
-//              block waits on has been sent by every resident block); the values are read
-//              twice, the second time from L2 while the chunk fits it;
-//   kPipeline  the block's groups copied into a ring of kPipelineStages shared-memory buffers
-//              with cp.async, two groups ahead; group j+1 is summed and sent before group j is
-//              waited for and finished, so the wait overlaps the next group's sends and the
-//              copies of the one after. The values are read from global memory once (and from
-//              shared memory twice); deadlock-free as kSweep (a block has sent every group it
-//              waits on, and the groups before them).
-enum class GroupSchedule { kLoad, kPrefetch, kSweep, kPipeline };
-
-// Shared-memory buffers of kGroup tokens kPipeline cycles through (two in flight, one finishing).
-constexpr int kPipelineStages = 3;
-
 // Blocks a multiprocessor the many-token kernel is compiled for (0: ptxas's choice). With one
 // vector a thread and RoPE in registers, the prefetch took 100 registers unbounded (one block of
 // 448 threads resident instead of two); held to two blocks it fits 64 with 16 bytes spilled.
-template <int kVecsPerThread, GroupSchedule kSchedule>
-constexpr int kGroupKernelMinBlocks =
-    kSchedule != GroupSchedule::kLoad&& kVecsPerThread == 1 ? 2 : 0;
+template <int kVecsPerThread, bool kPrefetch>
+constexpr int kGroupKernelMinBlocks = kPrefetch&& kVecsPerThread == 1 ? 2 : 0;
 
 template <typename T, int kWorldSize, int kVecsPerThread, RopePath kRope, int kGroup,
-          GroupSchedule kSchedule>
-__global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThread, kSchedule>)
-    qk_rmsnorm_group_kernel(const QkCall p, int sweep_rounds) {
+          bool kPrefetch>
+__global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThread, kPrefetch>)
+    qk_rmsnorm_group_kernel(const QkCall p) {
   static_assert(kRope != RopePath::kShared, "the shared-memory RoPE takes a token at a time");
-  constexpr bool kPrefetch = kSchedule == GroupSchedule::kPrefetch;
-  constexpr bool kSweep = kSchedule == GroupSchedule::kSweep;
-  constexpr bool kPipeline = kSchedule == GroupSchedule::kPipeline;
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
@@ -489,8 +462,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   const int warps = int((blockDim.x + 31) / 32);
-  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors
-  // (kPipeline: kPipelineStages groups').
+  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors.
   extern __shared__ __align__(16) float rope_shared[];
   __shared__ float2 warp_sums[2][kGroup][32];
   __shared__ float shared_scale[2][kGroup][2];
@@ -532,20 +504,6 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       values[g][i] = prefetched[g * vectors + c];
     });
   };
-  // kPipeline: a group copied into stage `stage` of the ring (a batch of its own, committed even
-  // when this thread copies nothing), and taken from it into `values`. Each thread copies and
-  // takes only its own vectors, so no barrier orders them.
-  const auto stage_group = [&](int64_t first, int stage) {
-    for_each_vector(first, [&](int g, int, int64_t c, const Vec16* source) {
-      copy_async(prefetched + (stage * kGroup + g) * vectors + c, source);
-    });
-    commit_async_copies();
-  };
-  const auto take_stage = [&](int64_t first, int stage) {
-    for_each_vector(first, [&](int g, int i, int64_t c, const Vec16*) {
-      values[g][i] = prefetched[(stage * kGroup + g) * vectors + c];
-    });
-  };
   const auto bounded_position = [&](int64_t position) {
     return position >= 0 && position < p.max_position ? position : int64_t(-1);
   };
@@ -569,13 +527,8 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     state = read_call_state<GridCoop>(control);
     shared_state = state;
   }
-  if constexpr (kPipeline) {
-    stage_group(int64_t(blockIdx.x) * kGroup, 0);
-    if (blockIdx.x + gridDim.x < groups) stage_group(int64_t(blockIdx.x + gridDim.x) * kGroup, 1);
-  } else {
-    load_group(int64_t(blockIdx.x) * kGroup);
-  }
-  if constexpr (!kSweep) load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
+  load_group(int64_t(blockIdx.x) * kGroup);
+  load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
   if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
     send_qk_header<kWorldSize>(state, p);
   Vec16 gammas[kVecsPerThread];
@@ -595,10 +548,17 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // A thread of a warp that sends nothing counts the block in (else lane 1 of warp 0).
   const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
 
-  // Step 2 of group `group` (its values loaded): the sums, barrier A and the packets; in the
-  // block's first group also the once-a-call steps. False: the team has failed (nothing sent).
-  const auto send_group = [&](int64_t group, int buffer, bool first_of_block) -> bool {
+  int buffer = 0;
+  for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
     const int64_t first = group * kGroup;
+    if (group != blockIdx.x) {
+      if constexpr (kPrefetch) {
+        take_prefetched(first);
+      } else {
+        load_group(first);
+      }
+      load_rope_rows(first, buffer);
+    }
     // 2. Sums of squares per token: this thread's, then its warp's.
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
@@ -626,7 +586,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       if (group + gridDim.x < groups) prefetch_group((group + gridDim.x) * kGroup);
     }
     __syncthreads();  // A: the warp sums, and (first group) what thread 0 read
-    if (first_of_block && shared_state.failed != 0) return false;  // a failed team sends nothing
+    if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
     const GpuSession<kWorldSize> session(shared_state);
     const int64_t token = first + warp;
     const bool sender = warp < kGroup && token < p.tokens;
@@ -639,22 +599,13 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       }
       if (lane == 0) send_qk_packet(session, p, token, sums);
     }
-    if (first_of_block) {
+    if (group == blockIdx.x) {
       // The one-token kernel's step 3, once a call.
       if (threadIdx.x == arriver) session.arrive(control, uint64_t(p.tokens) * sizeof(Vec16));
       launch_dependents();
       session.clear_previous(p.exchange);
       fetch_headers(session, p.exchange, early_headers);
     }
-    return true;
-  };
-  // Steps 3 and 4 of group `group` (its values loaded, its packets sent; with RoPE its cos/sin
-  // rows copied into `buffer`): the scales, barrier B, the norm, the rotation and the stores.
-  const auto finish_group = [&](int64_t group, int buffer) {
-    const int64_t first = group * kGroup;
-    const GpuSession<kWorldSize> session(shared_state);
-    const int64_t token = first + warp;
-    const bool sender = warp < kGroup && token < p.tokens;
     // 3. Receive: W polls in flight, the sum in rank order, the scales.
     if (sender && lane == 0) {
       constexpr int kPolls = kWorldSize > 0 ? kWorldSize : kMaxWorldSize;
@@ -755,68 +706,6 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         }
       }
     }
-  };
-
-  if constexpr (kSweep) {
-    // Chunks of `sweep_rounds` rounds of the grid (a round: a group a block; 0: the whole call
-    // one chunk): every group of a chunk sent, then every group of it finished, its values
-    // loaded again (from L2, which holds what the chunk read).
-    const int64_t chunk_groups = sweep_rounds > 0 ? int64_t(sweep_rounds) * gridDim.x : groups;
-    int buffer = 0;
-    for (int64_t chunk = 0; chunk < groups; chunk += chunk_groups) {
-      const int64_t end = chunk + chunk_groups < groups ? chunk + chunk_groups : groups;
-      for (int64_t group = chunk + blockIdx.x; group < end; group += gridDim.x, buffer ^= 1) {
-        if (group != blockIdx.x) load_group(group * kGroup);
-        if (!send_group(group, buffer, group == blockIdx.x)) return;
-      }
-      for (int64_t group = chunk + blockIdx.x; group < end; group += gridDim.x, buffer ^= 1) {
-        load_group(group * kGroup);
-        load_rope_rows(group * kGroup, buffer);
-        finish_group(group, buffer);
-      }
-    }
-  } else if constexpr (kPipeline) {
-    // The block's groups blockIdx.x + j * gridDim.x for j < mine (the grid is at most the
-    // groups). Stage j % kPipelineStages holds group j; group j+2's copies are issued before
-    // group j+1's are waited for (all but the batch committed last).
-    const int64_t mine = (groups - blockIdx.x + gridDim.x - 1) / gridDim.x;
-    if (mine > 1) {
-      wait_async_copies_but<1>();
-    } else {
-      wait_async_copies();
-    }
-    take_stage(int64_t(blockIdx.x) * kGroup, 0);
-    if (!send_group(blockIdx.x, 0, true)) return;
-    for (int64_t j = 0; j < mine; ++j) {
-      const int64_t group = blockIdx.x + j * gridDim.x, next = group + gridDim.x;
-      if (j + 2 < mine) stage_group((next + gridDim.x) * kGroup, int((j + 2) % kPipelineStages));
-      if (j + 1 < mine) {
-        if (j + 2 < mine) {
-          wait_async_copies_but<1>();
-        } else {
-          wait_async_copies();
-        }
-        take_stage(next * kGroup, int((j + 1) % kPipelineStages));
-        send_group(next, int((j + 1) & 1), false);
-        load_rope_rows(next * kGroup, int((j + 1) & 1));
-      }
-      take_stage(group * kGroup, int(j % kPipelineStages));
-      finish_group(group, int(j & 1));
-    }
-  } else {
-    int buffer = 0;
-    for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
-      if (group != blockIdx.x) {
-        if constexpr (kPrefetch) {
-          take_prefetched(group * kGroup);
-        } else {
-          load_group(group * kGroup);
-        }
-        load_rope_rows(group * kGroup, buffer);
-      }
-      if (!send_group(group, buffer, group == blockIdx.x)) return;
-      finish_group(group, buffer);
-    }
   }
   const GpuSession<kWorldSize> session(shared_state);
   check_header(session, p.exchange, p.signature, early_headers);
@@ -876,48 +765,31 @@ bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_g
   return tokens > kQkTokenGroup * group_grid() / 4;
 }
 
-// The many-token kernel's schedule: kPrefetch unless TPFUSE_QK_SCHEDULE says load, prefetch,
-// sweep or pipeline (read once, for A/B runs); TPFUSE_QK_SWEEP_ROUNDS: kSweep's rounds a chunk
-// (default 0: the whole call one chunk).
-inline GroupSchedule qk_group_schedule() {
-  static const GroupSchedule schedule = [] {
-    const char* value = std::getenv("TPFUSE_QK_SCHEDULE");
-    const std::string name = value == nullptr ? "" : value;
-    if (name == "load") return GroupSchedule::kLoad;
-    if (name == "sweep") return GroupSchedule::kSweep;
-    if (name == "pipeline") return GroupSchedule::kPipeline;
-    if (name.empty() || name == "prefetch") return GroupSchedule::kPrefetch;
-    TPF_FAIL("TPFUSE_QK_SCHEDULE is '" << name << "': expected load, prefetch, sweep or pipeline");
+// Whether the many-token kernel prefetches the next group (its kPrefetch); TPFUSE_QK_PREFETCH=0
+// turns it off (read once), for A/B runs.
+inline bool qk_prefetch_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("TPFUSE_QK_PREFETCH");
+    return value == nullptr || value[0] != '0';
   }();
-  return schedule;
-}
-
-inline int qk_sweep_rounds() {
-  static const int rounds = [] {
-    const char* value = std::getenv("TPFUSE_QK_SWEEP_ROUNDS");
-    return value != nullptr && value[0] != '\0' ? std::max(0, std::atoi(value)) : 0;
-  }();
-  return rounds;
+  return enabled;
 }
 
 // The many-token kernel's dynamic shared memory: with RoPE in registers two buffers of kGroup
-// cos/sin rows, and kPrefetch one group's q and k vectors, kPipeline kPipelineStages groups'.
-inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, GroupSchedule schedule,
+// cos/sin rows, and with kPrefetch a group's q and k vectors.
+inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, bool prefetch,
                                         size_t element_size) {
   const size_t rope = path == RopePath::kRegisters
                           ? size_t(2 * kQkTokenGroup * params.rotary_dim) * sizeof(float)
                           : 0;
-  const int staged = schedule == GroupSchedule::kPipeline   ? kPipelineStages
-                     : schedule == GroupSchedule::kPrefetch ? 1
-                                                            : 0;
-  return rope + size_t(staged) * size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) *
-                    element_size;
+  return rope + (prefetch
+                     ? size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) * element_size
+                     : 0);
 }
 
-// The most dynamic shared memory the staging kernels are allowed (set once per device when the
-// team preloads its kernels): kPrefetch's four tokens of the widest row one block takes (512
-// threads of two vectors: 16 KiB a token) and their cos/sin rows; kPipeline's three groups of
-// MiniMax-M2's TP-2 slice (7 KiB a token in bf16; two such blocks fit a multiprocessor).
+// The most dynamic shared memory the prefetching kernel is allowed (set once per device when the
+// team preloads its kernels): four tokens of the widest row one block takes (512 threads of two
+// vectors: 16 KiB a token) and their cos/sin rows.
 constexpr int kGroupKernelMaxSharedBytes = 96 * 1024;
 
 // The fused QK kernel's world sizes: dispatch_world_size's, and one rank (a one-rank team runs
@@ -959,37 +831,13 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
             // A warp per token of a group finishes its sums: at least kQkTokenGroup warps.
             constexpr int kGroup = kQkTokenGroup;
-            // A staging schedule whose buffers exceed the allowance falls back to the next.
-            GroupSchedule schedule = qk_group_schedule();
-            const auto fits = [&](GroupSchedule candidate) {
-              return group_kernel_shared_bytes(params, kRope, candidate, sizeof(T)) <=
-                     size_t(kGroupKernelMaxSharedBytes);
-            };
-            if (schedule == GroupSchedule::kPipeline && !fits(schedule)) {
-              schedule = GroupSchedule::kPrefetch;
-            }
-            if (schedule == GroupSchedule::kPrefetch && !fits(schedule)) {
-              schedule = GroupSchedule::kLoad;
-            }
-            const auto kernel_for = [&](GroupSchedule chosen) {
-              using Kernel = void (*)(QkCall, int);
-              switch (chosen) {
-                case GroupSchedule::kPrefetch:
-                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                        GroupSchedule::kPrefetch>);
-                case GroupSchedule::kSweep:
-                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                        GroupSchedule::kSweep>);
-                case GroupSchedule::kPipeline:
-                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                        GroupSchedule::kPipeline>);
-                default:
-                  return Kernel(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup,
-                                                        GroupSchedule::kLoad>);
-              }
-            };
-            const auto kernel = kernel_for(schedule);
-            const size_t bytes = group_kernel_shared_bytes(params, kRope, schedule, sizeof(T));
+            const bool prefetch = qk_prefetch_enabled() &&
+                                  group_kernel_shared_bytes(params, kRope, true, sizeof(T)) <=
+                                      size_t(kGroupKernelMaxSharedBytes);
+            const auto kernel =
+                prefetch ? qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, true>
+                         : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, false>;
+            const size_t bytes = group_kernel_shared_bytes(params, kRope, prefetch, sizeof(T));
             const auto grid = [&] {
               return int64_t(team.multiprocessors) *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
@@ -998,7 +846,7 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
                 takes_many_token_kernel(params.tokens, team.multiprocessors, grid)) {
               const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
               return launch(kernel, int(std::min(groups, grid())), shape.threads, bytes, stream,
-                            params, qk_sweep_rounds());
+                            params);
             }
           }
           if constexpr (kVecs <= 2) {
@@ -1030,20 +878,13 @@ void QkKernels<T>::preload_kernels(int world_size) {
                 preload(qk_rmsnorm_kernel<T, kWorld, kVecs, kRope, QkPass::kFused, true>);
               }
               if constexpr (kVecs <= 2 && kRope != RopePath::kShared) {
-                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
-                                                GroupSchedule::kLoad>);
-                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
-                                                GroupSchedule::kSweep>);
-                for (const auto staging :
-                     {qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
-                                              GroupSchedule::kPrefetch>,
-                      qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup,
-                                              GroupSchedule::kPipeline>}) {
-                  preload(staging);
-                  TPF_CHECK_CUDA(cudaFuncSetAttribute(staging,
-                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      kGroupKernelMaxSharedBytes));
-                }
+                preload(qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, false>);
+                const auto prefetching =
+                    qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kQkTokenGroup, true>;
+                preload(prefetching);
+                TPF_CHECK_CUDA(cudaFuncSetAttribute(prefetching,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    kGroupKernelMaxSharedBytes));
               }
               preload(qk_rmsnorm_kernel<T, 1, kVecs, kRope, QkPass::kNormFromSums>);
             }
