@@ -103,27 +103,50 @@ __device__ __forceinline__ float block_max(float value, float* shared_warp_value
                       [](float a, float b) { return fmaxf(a, b); });
 }
 
+// The warp sums of kValues values a lane (a power of two, at most 32), each with exactly the
+// additions of its own xor butterfly (block_reduce's first stage), so the same bits: but the first
+// log2(kValues) steps trade half the values, not all of them (31 shuffles for 32 values instead of
+// 160). Afterwards lane l holds the sum of value l >> (5 - log2(kValues)), which is returned; the
+// values are overwritten.
+template <int kValues>
+__device__ __forceinline__ float warp_sum_spread(float (&values)[kValues]) {
+  static_assert(kValues >= 1 && kValues <= 32 && (kValues & (kValues - 1)) == 0,
+                "a power of two, at most a value a lane");
+  const int lane = threadIdx.x % 32;
+  int offset = 16;
+#pragma unroll
+  for (int live = kValues; live > 1; live /= 2, offset /= 2) {
+    // The lower lane of each pair keeps the lower half: its partner sends it the same indices.
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int j = 0; j < live / 2; ++j) {
+      const float kept = upper ? values[j + live / 2] : values[j];
+      const float sent = upper ? values[j] : values[j + live / 2];
+      values[j] = kept + __shfl_xor_sync(0xffffffffu, sent, offset);
+    }
+  }
+  float sum = values[0];
+#pragma unroll
+  for (; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  return sum;
+}
+
 // block_sum of two values at once (one pass, one set of barriers): each component gets exactly
-// the additions, in the same order, that block_sum would give it alone.
+// the additions, in the same order, that block_sum would give it alone (warp_sum_spread: lanes
+// 0-15 hold the first, 16-31 the second).
 __device__ __forceinline__ float2 block_sum2(float2 value, float2* shared_warp_sums) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = (blockDim.x + 31) / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    value.x += __shfl_xor_sync(0xffffffffu, value.x, offset);
-    value.y += __shfl_xor_sync(0xffffffffu, value.y, offset);
-  }
-  if (lane == 0) shared_warp_sums[warp] = value;
+  float pair[2] = {value.x, value.y};
+  float sum = warp_sum_spread(pair);
+  if (lane % 16 == 0) reinterpret_cast<float*>(&shared_warp_sums[warp])[lane / 16] = sum;
   __syncthreads();
   if (warp == 0) {
-    value = lane < warps ? shared_warp_sums[lane] : make_float2(0.0f, 0.0f);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      value.x += __shfl_xor_sync(0xffffffffu, value.x, offset);
-      value.y += __shfl_xor_sync(0xffffffffu, value.y, offset);
-    }
-    if (lane == 0) shared_warp_sums[32] = value;
+    const float2 warp_sums = lane < warps ? shared_warp_sums[lane] : make_float2(0.0f, 0.0f);
+    float warp_pair[2] = {warp_sums.x, warp_sums.y};
+    sum = warp_sum_spread(warp_pair);
+    if (lane % 16 == 0) reinterpret_cast<float*>(&shared_warp_sums[32])[lane / 16] = sum;
   }
   __syncthreads();
   // No barrier after: as for block_reduce, the next call's writes come after this one's barriers.

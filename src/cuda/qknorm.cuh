@@ -122,9 +122,11 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   constexpr int kElements = Packed<T>::kElements;
   static_assert(!kLoadAhead || kVecsPerThread <= 2, "wider rows would spill the second set");
   ControlBlock* const control = p.exchange.control;
-  const int64_t q_vectors = p.q_size / kElements;
-  const int64_t vectors = (p.q_size + p.kv_size) / kElements;
-  const int64_t row = p.q_size + 2 * p.kv_size;
+  // A thread's indices are 32-bit (a row has at most kVecsPerThread * kMaxThreads vectors of q
+  // and k); a token's offsets 64-bit. Every width is a multiple of kElements (validate.cc).
+  const int q_vectors = int(p.q_size / kElements);
+  const int vectors = int((p.q_size + p.kv_size) / kElements);
+  const int64_t row_vectors = (p.q_size + 2 * p.kv_size) / kElements;
   // kShared only: the normalized row (q_size + kv_size floats), then the position's cos/sin row.
   extern __shared__ float rope_shared[];
   float* const normalized = rope_shared;
@@ -136,12 +138,12 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 
   // Vector c of a row: q vector c for c < q_vectors, else k vector c - q_vectors. Its offset in
   // the qkv row and in the normalized row (q then k) is the same: c * kElements.
-  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
+  const auto vector_of = [&](int i) { return int(threadIdx.x) + i * int(blockDim.x); };
   const auto load_values = [&](int64_t token, Vec16(&values)[kVecsPerThread]) {
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
-      if (c < vectors) values[i] = load_vector(p.qkv, (token * row) / kElements + c);
+      const int c = vector_of(i);
+      if (c < vectors) values[i] = load_vector(p.qkv, token * row_vectors + c);
     }
   };
   const auto copy_vectors = [](const Vec16* from, Vec16(&to)[kVecsPerThread]) {
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     float2 sums = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
+      const int c = vector_of(i);
       if (c >= vectors) continue;
       const float squares = vector_sum_squares<T>(values[i]);
       if (c < q_vectors) {
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if constexpr (kFused) fetch_headers(session, p.exchange, early_headers);
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
-    const int64_t c = vector_of(i);
+    const int c = vector_of(i);
     if (c >= vectors) continue;
     gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
   }
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     float lanes[kVecsPerThread][kElements];
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
+      const int c = vector_of(i);
       if (c >= vectors) {
 #pragma unroll
         for (int e = 0; e < kElements; ++e) lanes[i][e] = 0.0f;  // shuffled, never stored
@@ -366,10 +368,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
       __syncthreads();
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
+        const int c = vector_of(i);
         if (c >= vectors) continue;
         // 32-bit offsets: a RoPE row is at most kMaxQkRopeWidth elements.
-        rope_lanes<kElements>(lanes[i], normalized, int(c * kElements), int(p.head_dim),
+        rope_lanes<kElements>(lanes[i], normalized, c * kElements, int(p.head_dim),
                               int(p.rotary_dim), p.rope, cos_sin);
       }
     }
@@ -404,13 +406,13 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     if (position < 0 && threadIdx.x == 0) record_bad_position(p, token);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      const int64_t c = vector_of(i);
+      const int c = vector_of(i);
       if (c >= vectors) continue;
       const Vec16 out = position < 0 ? nan_vector() : pack<T>(lanes[i]);
       if (c < q_vectors) {
-        store_vector(p.q_out, (token * p.q_out_stride) / kElements + c, out);
+        store_vector(p.q_out, token * (p.q_out_stride / kElements) + c, out);
       } else {
-        store_vector(p.k_out, (token * p.k_out_stride) / kElements + (c - q_vectors), out);
+        store_vector(p.k_out, token * (p.k_out_stride / kElements) + (c - q_vectors), out);
       }
     }
     __syncthreads();  // shared_scale and the normalized row are reused by the next token
@@ -455,9 +457,13 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   constexpr bool kRopeRegisters = kRope == RopePath::kRegisters;
   constexpr int kElements = Packed<T>::kElements;
   ControlBlock* const control = p.exchange.control;
-  const int64_t q_vectors = p.q_size / kElements;
-  const int64_t vectors = (p.q_size + p.kv_size) / kElements;
-  const int64_t row = p.q_size + 2 * p.kv_size;
+  // A thread's indices are 32-bit (a row has at most kVecsPerThread * kMaxThreads vectors of q
+  // and k); a token's offsets 64-bit. Every width is a multiple of kElements (validate.cc).
+  const int q_vectors = int(p.q_size / kElements);
+  const int vectors = int((p.q_size + p.kv_size) / kElements);
+  const int64_t row_vectors = (p.q_size + 2 * p.kv_size) / kElements;
+  const int64_t q_out_vectors = p.q_out_stride / kElements;
+  const int64_t k_out_vectors = p.k_out_stride / kElements;
   const int64_t groups = (p.tokens + kGroup - 1) / kGroup;
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
@@ -470,37 +476,40 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   __shared__ CallState shared_state;
   __shared__ EarlyHeaders early_headers;
 
-  const auto vector_of = [&](int i) { return int64_t(threadIdx.x) + int64_t(i) * blockDim.x; };
+  const auto vector_of = [&](int i) { return int(threadIdx.x) + i * int(blockDim.x); };
+  // The tokens of the group from token `first`: kGroup, but in the last group.
+  const auto tokens_from = [&](int64_t first) {
+    return int(p.tokens - first < kGroup ? p.tokens - first : kGroup);
+  };
   Vec16 values[kGroup][kVecsPerThread];
   // fn(g, i, c, source) for each of this thread's vectors of the group from token `first`:
   // token first + g, vector i, row vector c, at `source` in qkv.
   const auto for_each_vector = [&](int64_t first, auto&& fn) {
+    const int count = tokens_from(first);
+    const Vec16* const rows = static_cast<const Vec16*>(p.qkv) + first * row_vectors;
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      if (first + g >= p.tokens) break;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
-        if (c < vectors)
-          fn(g, i, c, static_cast<const Vec16*>(p.qkv) + ((first + g) * row) / kElements + c);
+        const int c = vector_of(i);
+        if (g < count && c < vectors) fn(g, i, c, rows + g * row_vectors + c);
       }
     }
   };
   const auto load_group = [&](int64_t first) {
-    for_each_vector(first,
-                    [&](int g, int i, int64_t, const Vec16* source) { values[g][i] = *source; });
+    for_each_vector(first, [&](int g, int i, int, const Vec16* source) { values[g][i] = *source; });
   };
   Vec16* const prefetched =
       reinterpret_cast<Vec16*>(rope_shared + (kRopeRegisters ? 2 * kGroup * p.rotary_dim : 0));
   const auto prefetch_group = [&](int64_t first) {
-    for_each_vector(first, [&](int g, int, int64_t c, const Vec16* source) {
+    for_each_vector(first, [&](int g, int, int c, const Vec16* source) {
       copy_async(prefetched + g * vectors + c, source);
     });
     commit_async_copies();
   };
   const auto take_prefetched = [&](int64_t first) {
     wait_async_copies();
-    for_each_vector(first, [&](int g, int i, int64_t c, const Vec16*) {
+    for_each_vector(first, [&](int g, int i, int c, const Vec16*) {
       values[g][i] = prefetched[g * vectors + c];
     });
   };
@@ -534,7 +543,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   Vec16 gammas[kVecsPerThread];
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
-    const int64_t c = vector_of(i);
+    const int c = vector_of(i);
     if (c < vectors) {
       gammas[i] = c < q_vectors ? load_vector(p.q_gamma, c) : load_vector(p.k_gamma, c - q_vectors);
     }
@@ -559,27 +568,31 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       }
       load_rope_rows(first, buffer);
     }
-    // 2. Sums of squares per token: this thread's, then its warp's.
+    const int count = tokens_from(first);
+    // 2. Sums of squares per token, {q, k} at 2 g and 2 g + 1: this thread's, then its warp's
+    // (spread: each group of 32 / (2 kGroup) lanes holds one of them).
+    float sums[2 * kGroup];
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      float2 sums = make_float2(0.0f, 0.0f);
+      sums[2 * g] = sums[2 * g + 1] = 0.0f;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
-        if (c >= vectors || first + g >= p.tokens) continue;
+        const int c = vector_of(i);
+        if (c >= vectors || g >= count) continue;
         const float squares = vector_sum_squares<T>(values[g][i]);
         if (c < q_vectors) {
-          sums.x += squares;
+          sums[2 * g] += squares;
         } else {
-          sums.y += squares;
+          sums[2 * g + 1] += squares;
         }
       }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
-        sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
-      }
-      if (lane == 0) warp_sums[buffer][g][warp] = sums;
+    }
+    {
+      constexpr int kLanesAValue = 32 / (2 * kGroup);
+      const float sum = warp_sum_spread(sums);
+      const int index = lane / kLanesAValue;
+      if (lane % kLanesAValue == 0)
+        reinterpret_cast<float*>(&warp_sums[buffer][index / 2][warp])[index % 2] = sum;
     }
     if constexpr (kPrefetch) {
       // The values are used (their sums taken), so their shared copies may be overwritten.
@@ -589,15 +602,13 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
     const GpuSession<kWorldSize> session(shared_state);
     const int64_t token = first + warp;
-    const bool sender = warp < kGroup && token < p.tokens;
+    const bool sender = warp < count;
     if (sender) {
-      float2 sums = lane < warps ? warp_sums[buffer][warp][lane] : make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
-        sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
-      }
-      if (lane == 0) send_qk_packet(session, p, token, sums);
+      const float2 partial = lane < warps ? warp_sums[buffer][warp][lane] : make_float2(0.0f, 0.0f);
+      float pair[2] = {partial.x, partial.y};
+      const float sum = warp_sum_spread(pair);  // q's in lanes 0-15, k's in 16-31
+      const float k_sum = __shfl_sync(0xffffffffu, sum, 16);
+      if (lane == 0) send_qk_packet(session, p, token, make_float2(sum, k_sum));
     }
     if (group == blockIdx.x) {
       // The one-token kernel's step 3, once a call.
@@ -645,14 +656,15 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     }
     __syncthreads();  // B: the scales, and the cos/sin rows
                       // 4. Normalize, rotate, store.
+    Vec16* const q_rows = static_cast<Vec16*>(p.q_out) + first * q_out_vectors;
+    Vec16* const k_rows = static_cast<Vec16*>(p.k_out) + first * k_out_vectors;
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
-      const int64_t t = first + g;
-      if (t >= p.tokens) break;
+      if (g >= count) break;
       float lanes[kVecsPerThread][kElements];
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
+        const int c = vector_of(i);
         if (c >= vectors) {
 #pragma unroll
           for (int e = 0; e < kElements; ++e) lanes[i][e] = 0.0f;  // shuffled, never stored
@@ -696,13 +708,13 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       const bool bad = kRopeRegisters && bad_position[buffer][g];
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        const int64_t c = vector_of(i);
+        const int c = vector_of(i);
         if (c >= vectors) continue;
         const Vec16 out = bad ? nan_vector() : pack<T>(lanes[i]);
         if (c < q_vectors) {
-          store_vector(p.q_out, (t * p.q_out_stride) / kElements + c, out);
+          q_rows[g * q_out_vectors + c] = out;
         } else {
-          store_vector(p.k_out, (t * p.k_out_stride) / kElements + (c - q_vectors), out);
+          k_rows[g * k_out_vectors + (c - q_vectors)] = out;
         }
       }
     }

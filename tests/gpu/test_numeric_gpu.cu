@@ -1,6 +1,7 @@
 // The device conversions and divisions against the host's forms, on every input: what makes the
 // CPU backend and the GPU give the same bits (fp32 to E4M3 over all 2^32 fp32 bit patterns, one at
-// a time and in pairs; the FP8 scale's division by its reciprocal against IEEE division).
+// a time and in pairs; the FP8 scale's division by its reciprocal against IEEE division); and the
+// warp sums that trade half their values a step against one butterfly per value.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -8,7 +9,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
+#include "cuda/device_ops.cuh"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/impl/numeric.h"
 #include "tpfuse/tpfuse.h"
@@ -181,6 +184,67 @@ TEST(GpuNumeric, Fp8ScaleDivisionByReciprocalGivesIeeeBytesOnEveryFloat) {
     EXPECT_GE(result->exact, 2ull * 40 * (1ull << 23)) << "scale " << scale;
   }
   cudaFree(result);
+}
+
+// Each warp: kValues values a lane from `input`; every lane's warp_sum_spread result against the
+// butterfly of the value it holds (lane / (32 / kValues)), as bits. One count per mismatch.
+template <int kValues>
+__global__ void compare_warp_sums(const float* input, int warps, unsigned long long* mismatches) {
+  const int lane = threadIdx.x % 32;
+  for (int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; warp < warps;
+       warp += gridDim.x * (blockDim.x / 32)) {
+    float values[kValues];
+    for (int j = 0; j < kValues; ++j) values[j] = input[(int64_t(warp) * 32 + lane) * kValues + j];
+    const int held = lane / (32 / kValues);
+    float butterfly = 0.0f;
+    for (int j = 0; j < kValues; ++j) {
+      float value = values[j];
+      for (int offset = 16; offset > 0; offset /= 2)
+        value += __shfl_xor_sync(0xffffffffu, value, offset);
+      if (j == held) butterfly = value;
+    }
+    const float spread = warp_sum_spread(values);
+    if (__float_as_uint(spread) != __float_as_uint(butterfly)) atomicAdd(mismatches, 1ull);
+  }
+}
+
+template <int kValues>
+unsigned long long warp_sum_mismatches(const std::vector<float>& values, int warps) {
+  float* input = nullptr;
+  unsigned long long* mismatches = nullptr;
+  EXPECT_EQ(cudaMalloc(&input, values.size() * sizeof(float)), cudaSuccess);
+  EXPECT_EQ(cudaMallocManaged(&mismatches, sizeof(unsigned long long)), cudaSuccess);
+  *mismatches = 0;
+  EXPECT_EQ(cudaMemcpy(input, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  compare_warp_sums<kValues><<<256, 256>>>(input, warps, mismatches);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const unsigned long long count = *mismatches;
+  cudaFree(input);
+  cudaFree(mismatches);
+  return count;
+}
+
+// Values whose sum depends on the order of the additions (24-bit integers scaled by 2^-20 to
+// 2^19, both signs: roundings and cancellations everywhere), with ±0, denormals, Inf and NaN.
+TEST(GpuNumeric, WarpSumSpreadGivesEachValuesButterflyBits) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  constexpr int kWarps = 4096;
+  std::vector<float> values(size_t(kWarps) * 32 * 32);
+  uint64_t state = 0x243f6a8885a308d3ull;
+  const float specials[] = {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, INFINITY, -INFINITY, NAN};
+  for (float& x : values) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t r = uint32_t(state >> 32);
+    x = r % 97 == 0
+            ? specials[(r >> 8) % 8]
+            : std::ldexp(float(int32_t(r & 0xffffffu) - 0x800000), int((r >> 24) % 40) - 20);
+  }
+  EXPECT_EQ(warp_sum_mismatches<1>(values, kWarps), 0ull);
+  EXPECT_EQ(warp_sum_mismatches<2>(values, kWarps), 0ull);
+  EXPECT_EQ(warp_sum_mismatches<4>(values, kWarps), 0ull);
+  EXPECT_EQ(warp_sum_mismatches<8>(values, kWarps), 0ull);
+  EXPECT_EQ(warp_sum_mismatches<32>(values, kWarps), 0ull);
 }
 
 }  // namespace
