@@ -227,6 +227,8 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
         if (deadline == 0) {
           deadline = now + x.timeout_ns;
         } else if (now > deadline) {
+          // Not record_failure: its two vectors, live here, cost registers in the hot kernels
+          // (up to 16 more in half of the QK instantiations); a timeout's record needs neither.
           if (claim_failure(x, sender)) {
             x.errors->failure_peer = uint32_t(sender);
             write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));

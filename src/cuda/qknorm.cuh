@@ -518,14 +518,17 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   };
   // A position outside [0, max_position) reads row 0 of the cache; its token's outputs are NaN
   // and the error is recorded in step 3, as in the one-token kernel.
+  // 32-bit: rotary_dim is at most head_dim (the 64-bit division was most of this loop).
   const auto load_rope_rows = [&](int64_t first, int buffer) {
     if constexpr (kRopeRegisters) {
-      float* const rows = rope_shared + buffer * kGroup * p.rotary_dim;
-      for (int64_t e = threadIdx.x; e < kGroup * p.rotary_dim; e += blockDim.x) {
-        const int64_t token = first + e / p.rotary_dim;
-        if (token >= p.tokens) break;
-        const int64_t position = bounded_position(p.positions[token]);
-        rows[e] = p.cos_sin_cache[(position < 0 ? 0 : position) * p.rotary_dim + e % p.rotary_dim];
+      const int rotary = int(p.rotary_dim);
+      const int count = tokens_from(first);
+      float* const rows = rope_shared + buffer * kGroup * rotary;
+      for (int e = int(threadIdx.x); e < kGroup * rotary; e += int(blockDim.x)) {
+        const int g = e / rotary;
+        if (g >= count) break;
+        const int64_t position = bounded_position(p.positions[first + g]);
+        rows[e] = p.cos_sin_cache[(position < 0 ? 0 : position) * rotary + (e - g * rotary)];
       }
     }
   };
