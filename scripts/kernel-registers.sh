@@ -4,6 +4,10 @@
 # tree is configured (CUDA on) in a temporary build directory, and its kernels compiled there.
 #   bash scripts/kernel-registers.sh <other-tree> [kernel files: oneshot twoshot qknorm]
 # (e.g. mkdir -p build/base && git archive <commit> | tar -x -C build/base)
+# NVDISASM=<path to nvdisasm> also counts each changed kernel's SASS instructions (static: every
+# path, not what a call executes). The CUDA 13.0 toolkit here has no nvdisasm; PyPI's
+# nvidia-cuda-nvdisasm wheel has one (nvidia/cu13/bin/nvdisasm; a developer tool, not a
+# dependency of tpfuse).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=$(realpath "$1"); shift
@@ -19,7 +23,15 @@ configure() {  # tree build
 compile() {  # build file out
   ninja -C "$1" -t commands tpfuse |
     grep -E -- "-c [^ ]*/(src/cuda/$2|generated/cuda/$2_[^ /]*)\.cu " |
-    while read -r command; do (cd "$1" && sh -c "$command -Xptxas=-v"); done >/dev/null 2>"$3"
+    while read -r command; do
+      (cd "$1" && sh -c "$command -Xptxas=-v")
+      if [ -n "${NVDISASM:-}" ]; then  # the same unit as a cubin for sm_90a, disassembled
+        cubin=$(mktemp -p "$work" --suffix .cubin)
+        (cd "$1" && sh -c "$(echo "$command" | sed -E "s# -c # -cubin #; s# -o [^ ]+# -o $cubin#;
+          s#--generate-code=[^ ]+#-arch=sm_90a#; s# -MD -MT [^ ]+ -MF [^ ]+##")" &&
+          "$NVDISASM" -c "$cubin" >>"$3.sass") 2>/dev/null
+      fi
+    done >/dev/null 2>"$3"
 }
 configure "$base" "$work/base"
 configure "$PWD" "$work/this"
@@ -36,6 +48,18 @@ def drop_anonymous_namespace(name):
     # the same kernel compiled in another file differs only there.
     m = re.search(r"(\d+)_GLOBAL__N__", name)
     return name if not m else name[:m.start()] + name[m.end(1) + int(m.group(1)):]
+def sass_counts(path):  # kernel -> SASS instructions, from nvdisasm -c output
+    counts, name = {}, None
+    try:
+        lines = open(path)
+    except OSError:
+        return counts
+    for line in lines:
+        m = re.match(r"\.text\.(\S+):", line)
+        if m:
+            name = drop_anonymous_namespace(m.group(1)); counts.setdefault(name, 0); continue
+        if name and re.match(r"\s+/\*[0-9a-f]{4}\*/", line): counts[name] += 1
+    return counts
 def parse(path):
     kernels, name, spill = {}, None, 0
     for line in open(path):
@@ -59,8 +83,12 @@ for f in files:
     spills = sum(1 for k in common if this[k][1] > base[k][1])
     print(f"{f}: {len(common)} kernels in both, {len(this) - len(common)} only here; register "
           f"change -> count {sorted(deltas.items())}; {spills} spill more")
+    base_sass, this_sass = sass_counts(f"{work}/base_{f}.sass"), sass_counts(f"{work}/this_{f}.sass")
     for k in common:  # the decode kernels: bf16, world 2
-        if re.search(r"BFloat16ELi2E", k) and this[k] != base[k] and not re.search(r"Li[48]EEEv", k):
-            print(f"   {base[k]} -> {this[k]}  {re.sub(r'^.*kernelI', '', k)[:80]}")
+        sass = (f"  SASS {base_sass[k]} -> {this_sass[k]}"
+                if base_sass.get(k, 0) != this_sass.get(k, 0) else "")
+        if re.search(r"BFloat16ELi2E", k) and (this[k] != base[k] or sass) and \
+                not re.search(r"Li[48]EEEv", k):
+            print(f"   {base[k]} -> {this[k]}{sass}  {re.sub(r'^.*kernelI', '', k)[:80]}")
 PY
 rm -rf "$work"
