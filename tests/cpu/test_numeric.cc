@@ -52,20 +52,25 @@ void expect_nearest_even(float x) {
   }
 }
 
-// unpack<BFloat16> works on whole words (a shift and a mask): each element's bits must be
-// to_float's of that element, every 16-bit pattern in every position beside another pattern.
+// unpack_bf16_words (unpack<BFloat16> on the GPU) works on whole words (a shift and a mask):
+// each element's bits must be to_float's of that element, as unpack<BFloat16>'s, every 16-bit
+// pattern in every position beside another pattern.
 TEST(Numeric, Bf16UnpackGivesToFloatOfEveryElement) {
   for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
     const uint32_t partner = (bits * 40503u + 0x9e37u) & 0xffffu;
     Vec16 v{};
     for (int w = 0; w < 4; ++w)
       v.word[w] = w % 2 == 0 ? bits | partner << 16 : partner | bits << 16;
-    float lanes[8];
+    float lanes[8], words[8];
     unpack<BFloat16>(v, lanes);
+    unpack_bf16_words(v, words);
     for (int e = 0; e < 8; ++e) {
       const uint16_t element = uint16_t(e % 4 == 0 || e % 4 == 3 ? bits : partner);
-      ASSERT_EQ(float_bits(lanes[e]), float_bits(to_float(BFloat16{element})))
-          << std::hex << "element bits 0x" << element << " at " << std::dec << e;
+      const uint32_t want = float_bits(to_float(BFloat16{element}));
+      ASSERT_EQ(float_bits(lanes[e]), want)
+          << std::hex << "unpack: element bits 0x" << element << " at " << std::dec << e;
+      ASSERT_EQ(float_bits(words[e]), want)
+          << std::hex << "words: element bits 0x" << element << " at " << std::dec << e;
     }
   }
 }
