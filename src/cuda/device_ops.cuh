@@ -228,7 +228,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
           deadline = now + x.timeout_ns;
         } else if (now > deadline) {
           // Not record_failure: its two vectors, live here, cost registers in the hot kernels
-          // (up to 16 more in half of the QK instantiations); a timeout's record needs neither.
+          // (scripts/kernel-registers.sh shows it); a timeout's record needs neither.
           if (claim_failure(x, sender)) {
             x.errors->failure_peer = uint32_t(sender);
             write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));

@@ -240,11 +240,9 @@ struct Packed {
   static constexpr int kElements = 16 / sizeof(T);
 };
 
-// Unpack a 16-byte vector of T into fp32 lanes, and pack fp32 lanes back with one rounding.
 // The 8 bf16 lanes of a vector by whole words: to_float of each half of a word, one instruction
 // each (a shift and a mask), the same bits. unpack<BFloat16> takes it on the GPU; on the host the
-// element-wise form below vectorizes better (the CPU backend's QK norm measured 1.2-1.7x slower
-// through this one).
+// element-wise form vectorizes better (bench/studies/h200-20261204-9c963c6-qk-instructions/).
 TPF_HOST_DEVICE void unpack_bf16_words(const Vec16& v, float (&out)[8]) {
   TPF_UNROLL
   for (int i = 0; i < 4; ++i) {
@@ -253,6 +251,7 @@ TPF_HOST_DEVICE void unpack_bf16_words(const Vec16& v, float (&out)[8]) {
   }
 }
 
+// Unpack a 16-byte vector of T into fp32 lanes, and pack fp32 lanes back with one rounding.
 template <typename T>
 TPF_HOST_DEVICE void unpack(const Vec16& v, float (&out)[Packed<T>::kElements]) {
 #if TPF_ON_DEVICE
