@@ -256,12 +256,25 @@ __device__ __forceinline__ void copy_async(void* shared, const void* global) {
                : "memory");
 }
 
+// 4 bytes, where a source may not be 16-byte aligned (through L1: cp.async.cg takes 16 only).
+__device__ __forceinline__ void copy_async_4(void* shared, const void* global) {
+  const uint32_t destination = uint32_t(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(destination), "l"(global)
+               : "memory");
+}
+
 __device__ __forceinline__ void commit_async_copies() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 __device__ __forceinline__ void wait_async_copies() {
   asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// Waits for every batch of the thread's copies but the kPending last committed.
+template <int kPending>
+__device__ __forceinline__ void wait_async_copies_but() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 template <typename Session>

@@ -66,6 +66,9 @@ RopePath rope_path(const QkCall& p, int elements, int vecs_per_thread) {
              : RopePath::kShared;
 }
 
+// The many-token kernel's cos/sin row buffers (it writes the next group's before barrier A).
+constexpr int kRopeBuffers = 3;
+
 // Pieces both fused kernels share. The call's header, by thread 0 of block 0 from the slot it
 // read itself (the other threads have not seen the call state yet; session.h).
 template <int kWorldSize>
@@ -425,7 +428,9 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 // at a time and holds all of them in registers across the exchange, so each token is read once
 // and a group costs two barriers instead of four a token. Per group:
 //   1. every thread loads its vectors of the group's tokens (kGroup loads in flight) and, with
-//      RoPE, the block copies the tokens' cos/sin rows into shared memory;
+//      RoPE, the threads of the warps that send nothing copy the tokens' cos/sin rows into
+//      shared memory asynchronously (cp.async: a copier waits for the position only, and no
+//      sender waits for the copies before its send and poll);
 //   2. per token, each thread's sums of squares and their warp sums (block_sum2's first stage);
 //      barrier A; warp g finishes token g's block sum (block_sum2's second stage: the same
 //      additions in the same order, so the bits of the one-token kernel and of the halves) and
@@ -435,17 +440,19 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 //      reads it back, as lamport.h requires) and writes the two scales; barrier B;
 //   4. every thread normalizes, rotates and stores the group's tokens from its registers.
 // kPrefetch: once step 2 has used a group's values, each thread copies its vectors of the block's
-// next group into shared memory asynchronously (cp.async), so that they load while this group
-// waits on its peers and stores; the next group takes them from there. A thread copies exactly the
-// vectors it later reads, so no barrier guards that buffer.
-// Shared memory alternates between two buffers by group, so no barrier is needed after step 4:
-// a buffer is written again two groups later, after a barrier every thread passes only once it
-// has finished with it. Blocks wait on peers group by group; tokens go to blocks in increasing
-// order, so the lowest token any block waits for has always been sent (no deadlock whatever the
-// peers' grids). The grid is at most what is resident at once, as for the one-token kernel.
-// Blocks a multiprocessor the many-token kernel is compiled for (0: ptxas's choice). With one
-// vector a thread and RoPE in registers, the prefetch took 100 registers unbounded (one block of
-// 448 threads resident instead of two); held to two blocks it fits 64 with 16 bytes spilled.
+// next group into shared memory asynchronously (cp.async), and the copiers that group's cos/sin
+// rows, so that they load while this group waits on its peers and stores; the next group takes
+// them from there. A thread copies exactly the vectors it later reads, so no barrier guards that
+// buffer.
+// The sums and scales alternate between two buffers by group, the cos/sin rows between three
+// (the next group's are written before barrier A), so no barrier is needed after step 4: a buffer
+// is written again only after a barrier every thread passes once it has finished with it. Blocks
+// wait on peers group by group; tokens go to blocks in increasing order, so the lowest token any
+// block waits for has always been sent (no deadlock whatever the peers' grids). The grid is at most
+// what is resident at once, as for the one-token kernel. Blocks a multiprocessor the many-token
+// kernel is compiled for (0: ptxas's choice). With one vector a thread and RoPE in registers, the
+// prefetch took 100 registers unbounded (one block of 448 threads resident instead of two); held to
+// two blocks it fits 64 with 16 bytes spilled.
 template <int kVecsPerThread, bool kPrefetch>
 constexpr int kGroupKernelMinBlocks = kPrefetch&& kVecsPerThread == 1 ? 2 : 0;
 
@@ -468,11 +475,12 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   const int warps = int((blockDim.x + 31) / 32);
-  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors.
+  // kRegisters: kRopeBuffers buffers of kGroup cos/sin rows; then, kPrefetch, the next group's
+  // vectors.
   extern __shared__ __align__(16) float rope_shared[];
   __shared__ float2 warp_sums[2][kGroup][32];
   __shared__ float shared_scale[2][kGroup][2];
-  __shared__ bool bad_position[2][kGroup];
+  __shared__ bool bad_position[kRopeBuffers][kGroup];
   __shared__ CallState shared_state;
   __shared__ EarlyHeaders early_headers;
 
@@ -499,16 +507,15 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const auto load_group = [&](int64_t first) {
     for_each_vector(first, [&](int g, int i, int, const Vec16* source) { values[g][i] = *source; });
   };
-  Vec16* const prefetched =
-      reinterpret_cast<Vec16*>(rope_shared + (kRopeRegisters ? 2 * kGroup * p.rotary_dim : 0));
+  Vec16* const prefetched = reinterpret_cast<Vec16*>(
+      rope_shared + (kRopeRegisters ? kRopeBuffers * kGroup * p.rotary_dim : 0));
   const auto prefetch_group = [&](int64_t first) {
     for_each_vector(first, [&](int g, int, int c, const Vec16* source) {
       copy_async(prefetched + g * vectors + c, source);
     });
-    commit_async_copies();
   };
   const auto take_prefetched = [&](int64_t first) {
-    wait_async_copies();
+    wait_async_copies();  // with RoPE, the group's cos/sin rows too
     for_each_vector(first, [&](int g, int i, int c, const Vec16*) {
       values[g][i] = prefetched[g * vectors + c];
     });
@@ -518,17 +525,33 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   };
   // A position outside [0, max_position) reads row 0 of the cache; its token's outputs are NaN
   // and the error is recorded in step 3, as in the one-token kernel.
-  // 32-bit: rotary_dim is at most head_dim (the 64-bit division was most of this loop).
-  const auto load_rope_rows = [&](int64_t first, int buffer) {
+  // The copiers: the warps after the kGroup senders (every thread where there are no more warps).
+  // Chunks of 4 floats (rotary_dim is a multiple of kElements here), a copy of 16 bytes where the
+  // cache is 16-byte aligned; the copier of a row's first chunk marks a position outside the
+  // cache. 32-bit: rotary_dim is at most head_dim. The caller commits the copies.
+  const int copier = warps > kGroup ? int(threadIdx.x) - 32 * kGroup : int(threadIdx.x);
+  const int copiers = warps > kGroup ? int(blockDim.x) - 32 * kGroup : int(blockDim.x);
+  const auto copy_rope_rows = [&](int64_t first, int rope_buffer) {
     if constexpr (kRopeRegisters) {
       const int rotary = int(p.rotary_dim);
+      const int chunks = rotary / 4;
       const int count = tokens_from(first);
-      float* const rows = rope_shared + buffer * kGroup * rotary;
-      for (int e = int(threadIdx.x); e < kGroup * rotary; e += int(blockDim.x)) {
-        const int g = e / rotary;
-        if (g >= count) break;
+      const bool aligned = reinterpret_cast<uintptr_t>(p.cos_sin_cache) % 16 == 0;
+      float* const rows = rope_shared + rope_buffer * kGroup * rotary;
+      for (int t = copier; t >= 0 && t < count * chunks; t += copiers) {
+        const int g = t / chunks;
+        const int offset = (t - g * chunks) * 4;
         const int64_t position = bounded_position(p.positions[first + g]);
-        rows[e] = p.cos_sin_cache[(position < 0 ? 0 : position) * rotary + (e - g * rotary)];
+        if (offset == 0) bad_position[rope_buffer][g] = position < 0;
+        const float* const source =
+            p.cos_sin_cache + (position < 0 ? 0 : position) * rotary + offset;
+        float* const destination = rows + g * rotary + offset;
+        if (aligned) {
+          copy_async(destination, source);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) copy_async_4(destination + k, source + k);
+        }
       }
     }
   };
@@ -540,7 +563,10 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
     shared_state = state;
   }
   load_group(int64_t(blockIdx.x) * kGroup);
-  load_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
+  if constexpr (kRopeRegisters) {
+    copy_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
+    commit_async_copies();
+  }
   if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
     send_qk_header<kWorldSize>(state, p);
   Vec16 gammas[kVecsPerThread];
@@ -560,16 +586,20 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // A thread of a warp that sends nothing counts the block in (else lane 1 of warp 0).
   const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
 
-  int buffer = 0;
+  int buffer = 0, rope_buffer = 0;
   for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
     const int64_t first = group * kGroup;
+    const int next_rope_buffer = rope_buffer == kRopeBuffers - 1 ? 0 : rope_buffer + 1;
     if (group != blockIdx.x) {
       if constexpr (kPrefetch) {
         take_prefetched(first);
       } else {
         load_group(first);
+        if constexpr (kRopeRegisters) {
+          copy_rope_rows(first, rope_buffer);
+          commit_async_copies();
+        }
       }
-      load_rope_rows(first, buffer);
     }
     const int count = tokens_from(first);
     // 2. Sums of squares per token, {q, k} at 2 g and 2 g + 1: this thread's, then its warp's
@@ -598,11 +628,20 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         reinterpret_cast<float*>(&warp_sums[buffer][index / 2][warp])[index % 2] = sum;
     }
     if constexpr (kPrefetch) {
-      // The values are used (their sums taken), so their shared copies may be overwritten.
-      if (group + gridDim.x < groups) prefetch_group((group + gridDim.x) * kGroup);
+      // The values are used (their sums taken), so their shared copies may be overwritten; the
+      // cos/sin buffer of the next group was last read two groups ago. A batch is committed
+      // even when there is no next group, so that the first group's wait below counts right.
+      if (group + gridDim.x < groups) {
+        prefetch_group((group + gridDim.x) * kGroup);
+        copy_rope_rows((group + gridDim.x) * kGroup, next_rope_buffer);
+      }
+      commit_async_copies();
     }
     __syncthreads();  // A: the warp sums, and (first group) what thread 0 read
-    if (group == blockIdx.x && shared_state.failed != 0) return;  // a failed team sends nothing
+    if (group == blockIdx.x && shared_state.failed != 0) {  // a failed team sends nothing
+      wait_async_copies();  // none lands in shared memory after the block exits
+      return;
+    }
     const GpuSession<kWorldSize> session(shared_state);
     const int64_t token = first + warp;
     const bool sender = warp < count;
@@ -653,9 +692,16 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       }
       shared_scale[buffer][warp][0] = rms_scale(totals[0], p.q_global_size, p.eps);
       shared_scale[buffer][warp][1] = rms_scale(totals[1], p.k_global_size, p.eps);
-      const bool bad = kRopeRegisters && bounded_position(p.positions[token]) < 0;
-      if (bad) record_bad_position(p, token);
-      bad_position[buffer][warp] = bad;
+      if (kRopeRegisters && bad_position[rope_buffer][warp]) record_bad_position(p, token);
+    }
+    if constexpr (kRopeRegisters) {
+      // This group's cos/sin rows: copied in step 1 (the first group, or without kPrefetch; with
+      // kPrefetch the next group's batch is the one after them), else taken with the values.
+      if (!kPrefetch) {
+        wait_async_copies();
+      } else if (group == blockIdx.x) {
+        wait_async_copies_but<1>();
+      }
     }
     __syncthreads();  // B: the scales, and the cos/sin rows
                       // 4. Normalize, rotate, store.
@@ -677,7 +723,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
                        lanes[i]);
       }
       if constexpr (kRopeRegisters) {
-        const float* const row_cos_sin = rope_shared + (buffer * kGroup + g) * p.rotary_dim;
+        const float* const row_cos_sin = rope_shared + (rope_buffer * kGroup + g) * p.rotary_dim;
         const bool neox = p.rope == RopeStyle::kNeox;
 #pragma unroll
         for (int i = 0; i < kVecsPerThread; ++i) {
@@ -721,6 +767,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         }
       }
     }
+    rope_buffer = next_rope_buffer;
   }
   const GpuSession<kWorldSize> session(shared_state);
   check_header(session, p.exchange, p.signature, early_headers);
@@ -795,7 +842,7 @@ inline bool qk_prefetch_enabled() {
 inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, bool prefetch,
                                         size_t element_size) {
   const size_t rope = path == RopePath::kRegisters
-                          ? size_t(2 * kQkTokenGroup * params.rotary_dim) * sizeof(float)
+                          ? size_t(kRopeBuffers * kQkTokenGroup * params.rotary_dim) * sizeof(float)
                           : 0;
   return rope + (prefetch
                      ? size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) * element_size

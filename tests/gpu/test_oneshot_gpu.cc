@@ -356,53 +356,65 @@ TEST(GpuOneRankTeam, QkNormManyTokens) {
 
 // The many-token QK kernel with a position outside the cos/sin cache: that token's outputs are
 // NaN, Team::check names it, and every other token has the bits of a call without the bad
-// position.
+// position. MiniMax-M2's width on one rank (two vectors a thread) and its TP-2 slice (one), the
+// cache 16-byte aligned and not; the bad token in a block's first group and in a later one (whose
+// cos/sin rows the block copied while it finished the group before).
 TEST(GpuOneRankTeam, QkNormManyTokensBadPosition) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
   std::mt19937_64 rng(6410);
-  QkSpec s;
-  s.heads = 48;
-  s.kv_heads = 8;
-  s.rope = RopeStyle::kNeox;
-  s.tokens = 1500;
-  QkData d = random_qk_data(rng, s, 1);
-  const QkResult good = run_qk(harness, s, d);
-  constexpr int64_t kBad = 700;
-  d.positions[kBad] = d.max_position + 3;
-  // The harness checks the team after the call: the report comes from there.
-  const std::vector<QkBuffers> b = upload_qk(harness, s, d);
-  try {
-    harness.run([&](int rank, cudaStream_t stream) {
-      allreduce_qk_rmsnorm(harness.team()[rank], qk_args(s, b[rank], d.max_position, 1), stream);
-    });
-    harness.team()[0].check();
-    ADD_FAILURE() << "the bad position was not reported";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("positions[700] = 4099 is outside"), std::string::npos)
-        << error.what();
-  }
-  EXPECT_NO_THROW(harness.team()[0].check()) << "reported once";
-  const QkResult bad = download_qk(harness, s, d, b);
-  const auto expect_rows = [&](const HostTensor& got, const HostTensor& want, int64_t width,
-                               const char* what) {
-    const size_t row_bytes = size_t(width) * dtype_size(s.dtype);
-    for (int64_t t = 0; t < s.tokens; ++t) {
-      if (t == kBad) {
-        for (int64_t e = 0; e < width; ++e) {
-          ASSERT_TRUE(std::isnan(got.get(size_t(t * width + e))))
-              << what << " token " << t << " element " << e;
+  for (const int64_t heads : {48, 24}) {
+    for (const int64_t cache_offset : {0, 1}) {
+      QkSpec s;
+      s.heads = heads;
+      s.kv_heads = heads / 6;
+      s.rope = RopeStyle::kNeox;
+      s.tokens = 1500;
+      s.cache_offset = cache_offset;
+      QkData d = random_qk_data(rng, s, 1);
+      const QkResult good = run_qk(harness, s, d);
+      for (const int64_t bad_token : {700, 1300}) {
+        SCOPED_TRACE(describe(s) + " bad token " + std::to_string(bad_token));
+        QkData bad_data = d;
+        bad_data.positions[bad_token] = d.max_position + 3;
+        // The harness checks the team after the call: the report comes from there.
+        const std::vector<QkBuffers> b = upload_qk(harness, s, bad_data);
+        const std::string expected = "positions[" + std::to_string(bad_token) +
+                                     "] = " + std::to_string(d.max_position + 3) + " is outside";
+        try {
+          harness.run([&](int rank, cudaStream_t stream) {
+            allreduce_qk_rmsnorm(harness.team()[rank], qk_args(s, b[rank], d.max_position, 1),
+                                 stream);
+          });
+          harness.team()[0].check();
+          ADD_FAILURE() << "the bad position was not reported";
+        } catch (const Error& error) {
+          EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
         }
-      } else {
-        ASSERT_EQ(std::memcmp(got.bytes.data() + t * row_bytes, want.bytes.data() + t * row_bytes,
-                              row_bytes),
-                  0)
-            << what << " token " << t;
+        EXPECT_NO_THROW(harness.team()[0].check()) << "reported once";
+        const QkResult bad = download_qk(harness, s, bad_data, b);
+        const auto expect_rows = [&](const HostTensor& got, const HostTensor& want, int64_t width,
+                                     const char* what) {
+          const size_t row_bytes = size_t(width) * dtype_size(s.dtype);
+          for (int64_t t = 0; t < s.tokens; ++t) {
+            if (t == bad_token) {
+              for (int64_t e = 0; e < width; ++e) {
+                ASSERT_TRUE(std::isnan(got.get(size_t(t * width + e))))
+                    << what << " token " << t << " element " << e;
+              }
+            } else {
+              ASSERT_EQ(std::memcmp(got.bytes.data() + t * row_bytes,
+                                    want.bytes.data() + t * row_bytes, row_bytes),
+                        0)
+                  << what << " token " << t;
+            }
+          }
+        };
+        expect_rows(bad.q[0], good.q[0], s.q_size(), "q");
+        expect_rows(bad.k[0], good.k[0], s.kv_size(), "k");
       }
     }
-  };
-  expect_rows(bad.q[0], good.q[0], s.q_size(), "q");
-  expect_rows(bad.k[0], good.k[0], s.kv_size(), "k");
+  }
 }
 
 TEST(GpuLocalAddRmsNorm, MatchesFloat64Reference) {
