@@ -754,7 +754,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
           }
         }
       }
-      const bool bad = kRopeRegisters && bad_position[buffer][g];
+      const bool bad = kRopeRegisters && bad_position[rope_buffer][g];
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int c = vector_of(i);
