@@ -66,6 +66,9 @@ RopePath rope_path(const QkCall& p, int elements, int vecs_per_thread) {
              : RopePath::kShared;
 }
 
+// The many-token kernel's cos/sin row buffers (it writes the next group's before barrier A).
+constexpr int kRopeBuffers = 3;
+
 // Pieces both fused kernels share. The call's header, by thread 0 of block 0 from the slot it
 // read itself (the other threads have not seen the call state yet; session.h).
 template <int kWorldSize>
@@ -472,11 +475,12 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const int lane = int(threadIdx.x % 32);
   const int warp = int(threadIdx.x / 32);
   const int warps = int((blockDim.x + 31) / 32);
-  // kRegisters: two buffers of kGroup cos/sin rows; then, kPrefetch, the next group's vectors.
+  // kRegisters: kRopeBuffers buffers of kGroup cos/sin rows; then, kPrefetch, the next group's
+  // vectors.
   extern __shared__ __align__(16) float rope_shared[];
   __shared__ float2 warp_sums[2][kGroup][32];
   __shared__ float shared_scale[2][kGroup][2];
-  __shared__ bool bad_position[2][kGroup];
+  __shared__ bool bad_position[kRopeBuffers][kGroup];
   __shared__ CallState shared_state;
   __shared__ EarlyHeaders early_headers;
 
@@ -503,8 +507,8 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const auto load_group = [&](int64_t first) {
     for_each_vector(first, [&](int g, int i, int, const Vec16* source) { values[g][i] = *source; });
   };
-  Vec16* const prefetched =
-      reinterpret_cast<Vec16*>(rope_shared + (kRopeRegisters ? 2 * kGroup * p.rotary_dim : 0));
+  Vec16* const prefetched = reinterpret_cast<Vec16*>(
+      rope_shared + (kRopeRegisters ? kRopeBuffers * kGroup * p.rotary_dim : 0));
   const auto prefetch_group = [&](int64_t first) {
     for_each_vector(first, [&](int g, int, int c, const Vec16* source) {
       copy_async(prefetched + g * vectors + c, source);
@@ -527,8 +531,8 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // cache. 32-bit: rotary_dim is at most head_dim. The caller commits the copies.
   const int copier = warps > kGroup ? int(threadIdx.x) - 32 * kGroup : int(threadIdx.x);
   const int copiers = warps > kGroup ? int(blockDim.x) - 32 * kGroup : int(blockDim.x);
-  // The position of the copier's first chunk of the group from token `first` (0 if it has none),
-  // loaded ahead where the copy comes after a barrier.
+  // The position of the copier's first chunk of the group from token `first` (0 if it has none):
+  // with kPrefetch loaded a group ahead of its copy, so that no copier waits for it then.
   const auto copier_position = [&](int64_t first) {
     const int chunks = int(p.rotary_dim) / 4;
     return kRopeRegisters && copier >= 0 && copier < tokens_from(first) * chunks
@@ -591,17 +595,24 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // A thread of a warp that sends nothing counts the block in (else lane 1 of warp 0).
   const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
 
-  int buffer = 0;
+  int buffer = 0, rope_buffer = 0;
+  // kPrefetch: the position of the copier's chunk of the block's next group.
+  int64_t next_position = 0;
+  if constexpr (kPrefetch) {
+    if (int64_t(blockIdx.x) + gridDim.x < groups) {
+      next_position = copier_position((int64_t(blockIdx.x) + gridDim.x) * kGroup);
+    }
+  }
   for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
     const int64_t first = group * kGroup;
-    int64_t next_position = 0;
+    const int next_rope_buffer = rope_buffer == kRopeBuffers - 1 ? 0 : rope_buffer + 1;
     if (group != blockIdx.x) {
       if constexpr (kPrefetch) {
         take_prefetched(first);
       } else {
         load_group(first);
         if constexpr (kRopeRegisters) {
-          copy_rope_rows(first, buffer, copier_position(first));
+          copy_rope_rows(first, rope_buffer, copier_position(first));
           commit_async_copies();
         }
       }
@@ -633,12 +644,15 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         reinterpret_cast<float*>(&warp_sums[buffer][index / 2][warp])[index % 2] = sum;
     }
     if constexpr (kPrefetch) {
-      // The values are used (their sums taken), so their shared copies may be overwritten. The
-      // next group's cos/sin rows are copied after barrier A (the other buffer is free once
-      // every thread is past it); their position is loaded here, so no copier waits for it there.
+      // The values are used (their sums taken), so their shared copies may be overwritten; the
+      // cos/sin buffer of the next group was last read two groups ago. A batch is committed
+      // even when there is no next group, so that the first group's wait below counts right.
       if (group + gridDim.x < groups) {
         prefetch_group((group + gridDim.x) * kGroup);
-        next_position = copier_position((group + gridDim.x) * kGroup);
+        copy_rope_rows((group + gridDim.x) * kGroup, next_rope_buffer, next_position);
+        if (group + 2 * gridDim.x < groups) {
+          next_position = copier_position((group + 2 * gridDim.x) * kGroup);
+        }
       }
       commit_async_copies();
     }
@@ -663,12 +677,6 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       launch_dependents();
       session.clear_previous(p.exchange);
       fetch_headers(session, p.exchange, early_headers);
-    }
-    if constexpr (kPrefetch && kRopeRegisters) {
-      if (group + gridDim.x < groups) {
-        copy_rope_rows((group + gridDim.x) * kGroup, buffer ^ 1, next_position);
-      }
-      commit_async_copies();  // always: the first group's wait below counts the batches
     }
     // 3. Receive: W polls in flight, the sum in rank order, the scales.
     if (sender && lane == 0) {
@@ -703,16 +711,15 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       }
       shared_scale[buffer][warp][0] = rms_scale(totals[0], p.q_global_size, p.eps);
       shared_scale[buffer][warp][1] = rms_scale(totals[1], p.k_global_size, p.eps);
-      if (kRopeRegisters && bad_position[buffer][warp]) record_bad_position(p, token);
+      if (kRopeRegisters && bad_position[rope_buffer][warp]) record_bad_position(p, token);
     }
     if constexpr (kRopeRegisters) {
       // This group's cos/sin rows: copied in step 1 (the first group, or without kPrefetch; with
-      // kPrefetch the next group's values and rows are the two batches after them), else taken
-      // with the values.
+      // kPrefetch the next group's batch is the one after them), else taken with the values.
       if (!kPrefetch) {
         wait_async_copies();
       } else if (group == blockIdx.x) {
-        wait_async_copies_but<2>();
+        wait_async_copies_but<1>();
       }
     }
     __syncthreads();  // B: the scales, and the cos/sin rows
@@ -735,7 +742,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
                        lanes[i]);
       }
       if constexpr (kRopeRegisters) {
-        const float* const row_cos_sin = rope_shared + (buffer * kGroup + g) * p.rotary_dim;
+        const float* const row_cos_sin = rope_shared + (rope_buffer * kGroup + g) * p.rotary_dim;
         const bool neox = p.rope == RopeStyle::kNeox;
 #pragma unroll
         for (int i = 0; i < kVecsPerThread; ++i) {
@@ -766,7 +773,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
           }
         }
       }
-      const bool bad = kRopeRegisters && bad_position[buffer][g];
+      const bool bad = kRopeRegisters && bad_position[rope_buffer][g];
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
         const int c = vector_of(i);
@@ -779,6 +786,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
         }
       }
     }
+    rope_buffer = next_rope_buffer;
   }
   const GpuSession<kWorldSize> session(shared_state);
   check_header(session, p.exchange, p.signature, early_headers);
@@ -853,7 +861,7 @@ inline bool qk_prefetch_enabled() {
 inline size_t group_kernel_shared_bytes(const QkCall& params, RopePath path, bool prefetch,
                                         size_t element_size) {
   const size_t rope = path == RopePath::kRegisters
-                          ? size_t(2 * kQkTokenGroup * params.rotary_dim) * sizeof(float)
+                          ? size_t(kRopeBuffers * kQkTokenGroup * params.rotary_dim) * sizeof(float)
                           : 0;
   return rope + (prefetch
                      ? size_t(kQkTokenGroup) * size_t(params.q_size + params.kv_size) * element_size
