@@ -531,15 +531,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   // cache. 32-bit: rotary_dim is at most head_dim. The caller commits the copies.
   const int copier = warps > kGroup ? int(threadIdx.x) - 32 * kGroup : int(threadIdx.x);
   const int copiers = warps > kGroup ? int(blockDim.x) - 32 * kGroup : int(blockDim.x);
-  // The position of the copier's first chunk of the group from token `first` (0 if it has none):
-  // with kPrefetch loaded a group ahead of its copy, so that no copier waits for it then.
-  const auto copier_position = [&](int64_t first) {
-    const int chunks = int(p.rotary_dim) / 4;
-    return kRopeRegisters && copier >= 0 && copier < tokens_from(first) * chunks
-               ? p.positions[first + copier / chunks]
-               : int64_t(0);
-  };
-  const auto copy_rope_rows = [&](int64_t first, int rope_buffer, int64_t first_position) {
+  const auto copy_rope_rows = [&](int64_t first, int rope_buffer) {
     if constexpr (kRopeRegisters) {
       const int rotary = int(p.rotary_dim);
       const int chunks = rotary / 4;
@@ -549,8 +541,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       for (int t = copier; t >= 0 && t < count * chunks; t += copiers) {
         const int g = t / chunks;
         const int offset = (t - g * chunks) * 4;
-        const int64_t position =
-            bounded_position(t == copier ? first_position : p.positions[first + g]);
+        const int64_t position = bounded_position(p.positions[first + g]);
         if (offset == 0) bad_position[rope_buffer][g] = position < 0;
         const float* const source =
             p.cos_sin_cache + (position < 0 ? 0 : position) * rotary + offset;
@@ -573,7 +564,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   }
   load_group(int64_t(blockIdx.x) * kGroup);
   if constexpr (kRopeRegisters) {
-    copy_rope_rows(int64_t(blockIdx.x) * kGroup, 0, copier_position(int64_t(blockIdx.x) * kGroup));
+    copy_rope_rows(int64_t(blockIdx.x) * kGroup, 0);
     commit_async_copies();
   }
   if (threadIdx.x == 0 && blockIdx.x == 0 && state.failed == 0)
@@ -596,13 +587,6 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   const unsigned arriver = warps > kGroup ? unsigned(kGroup) * 32u : 1u;
 
   int buffer = 0, rope_buffer = 0;
-  // kPrefetch: the position of the copier's chunk of the block's next group.
-  int64_t next_position = 0;
-  if constexpr (kPrefetch) {
-    if (int64_t(blockIdx.x) + gridDim.x < groups) {
-      next_position = copier_position((int64_t(blockIdx.x) + gridDim.x) * kGroup);
-    }
-  }
   for (int64_t group = blockIdx.x; group < groups; group += gridDim.x, buffer ^= 1) {
     const int64_t first = group * kGroup;
     const int next_rope_buffer = rope_buffer == kRopeBuffers - 1 ? 0 : rope_buffer + 1;
@@ -612,7 +596,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       } else {
         load_group(first);
         if constexpr (kRopeRegisters) {
-          copy_rope_rows(first, rope_buffer, copier_position(first));
+          copy_rope_rows(first, rope_buffer);
           commit_async_copies();
         }
       }
@@ -649,10 +633,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
       // even when there is no next group, so that the first group's wait below counts right.
       if (group + gridDim.x < groups) {
         prefetch_group((group + gridDim.x) * kGroup);
-        copy_rope_rows((group + gridDim.x) * kGroup, next_rope_buffer, next_position);
-        if (group + 2 * gridDim.x < groups) {
-          next_position = copier_position((group + 2 * gridDim.x) * kGroup);
-        }
+        copy_rope_rows((group + gridDim.x) * kGroup, next_rope_buffer);
       }
       commit_async_copies();
     }
