@@ -158,6 +158,14 @@ if [[ " $STEPS " == *" ab "* ]]; then
   # this one with the same preset, then the two run alternately AB_ROUNDS times with AB_ARGS;
   # scripts/ab_compare.py prints each op's median over the rounds and the ratio.
   AB_BASE=${AB_BASE:?ab needs AB_BASE, a source tree to compare with}
+  # A warm machine keeps build/ab-base; a base tree from `git archive` carries commit times that
+  # may be older than its objects, so ninja alone would not see a new base: the folder goes when
+  # the tree's contents differ from the ones it was built from.
+  base_hash=$(cd "$AB_BASE" && find . -type f -not -path './build/*' -print0 | sort -z |
+    xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
+  if [ "$(cat build/ab-base/.tree-hash 2>/dev/null)" != "$base_hash" ]; then
+    rm -rf build/ab-base && mkdir -p build/ab-base && echo "$base_hash" >build/ab-base/.tree-hash
+  fi
   cmake -S "$AB_BASE" -B build/ab-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPFUSE_CUDA=ON     -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_TESTS=OFF ${nccl_root:+-DNCCL_ROOT=$nccl_root}     >"$OUT/ab-build.log" 2>&1 &&
     cmake --build build/ab-base -j 16 --target tpfuse-bench >>"$OUT/ab-build.log" 2>&1 ||
     { echo "AB BASE BUILD FAILED"; tail -20 "$OUT/ab-build.log"; status=1; }

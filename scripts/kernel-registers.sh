@@ -83,6 +83,8 @@ for f in files:
     spills = sum(1 for k in common if this[k][1] > base[k][1])
     print(f"{f}: {len(common)} kernels in both, {len(this) - len(common)} only here; register "
           f"change -> count {sorted(deltas.items())}; {spills} spill more")
+    for k in sorted(k for k in common if this[k][1] != base[k][1]):  # every spill that changed
+        print(f"   spill {base[k]} -> {this[k]}  {re.sub(r'^.*kernelI', '', k)[:100]}")
     base_sass, this_sass = sass_counts(f"{work}/base_{f}.sass"), sass_counts(f"{work}/this_{f}.sass")
     for k in common:  # the decode kernels: bf16, world 2
         sass = (f"  SASS {base_sass[k]} -> {this_sass[k]}"

@@ -209,7 +209,6 @@ inline void finish_call(CpuCall& call) {
 // The session's Coop on the CPU: the rank's one thread is the only participant. The control
 // block is only ever touched by its own rank's thread; the atomics keep it well-defined anyway.
 struct ThreadCoop {
-  static constexpr bool kOneThread = true;
   static uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
   static uint64_t load(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
   static void store(uint32_t* word, uint32_t value) {

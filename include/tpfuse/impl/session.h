@@ -165,16 +165,6 @@ TPF_HOST_DEVICE CallState read_call_state(const ControlBlock* control) {
   return state;
 }
 
-// Whether a Coop is a single thread (the CPU's ThreadCoop says so with kOneThread = true).
-template <typename Coop, typename = void>
-struct IsOneThread {
-  static constexpr bool value = false;
-};
-template <typename Coop>
-struct IsOneThread<Coop, decltype(void(Coop::kOneThread))> {
-  static constexpr bool value = Coop::kOneThread;
-};
-
 // One call of one rank: the call state it read, and the steps that use it. kWorldSize > 0 binds
 // the world size at compile time (0: the exchange's). The steps take the call's Exchange where
 // they use it rather than holding a copy or a pointer: a kernel's parameters are then read
@@ -215,28 +205,21 @@ class LamportSession {
     }
   }
 
-  // Step 4: re-fills the previous call's slot with the sentinel, spread over the Coop's
-  // threads. This rank's own region is left alone: nothing reads a word of it that the same
-  // call did not store (lamport.h).
+  // Step 4: re-fills the previous call's slot with the sentinel, region by region, each spread
+  // over the Coop's threads (one thread: the regions' vectors in order). No division: on the GPU
+  // a 64-bit one is a called routine, and a call makes the compiler keep registers in local
+  // memory across the kernel. This rank's own region is left alone: nothing reads a word of it
+  // that the same call did not store (lamport.h).
   TPF_HOST_DEVICE void clear_previous(const Exchange& x) const {
     const int64_t per_sender = int64_t(state_.clear_bytes / 16);
-    const int64_t total = per_sender * (world(x) - 1);
     char* base = x.workspace[x.rank] +
                  packet_offset(slot_to_clear(state_.slot), 0, world(x), x.packet_bytes);
     const int64_t stride = Coop::thread_count();
-    if constexpr (IsOneThread<Coop>::value) {
-      // The same stores in the same order, region by region: no division per vector.
-      for (int64_t region = 0; region < world(x) - 1; ++region) {
-        const int64_t sender = region >= x.rank ? region + 1 : region;
-        Vec16* const first = reinterpret_cast<Vec16*>(base + sender * x.packet_bytes);
-        for (int64_t v = 0; v < per_sender; ++v) Coop::store_sentinel(first + v);
-      }
-    } else {
-      for (int64_t i = Coop::thread_index(); i < total; i += stride) {
-        const int64_t region = i / per_sender;
-        const int64_t sender = region >= x.rank ? region + 1 : region;
-        Coop::store_sentinel(reinterpret_cast<Vec16*>(base + sender * x.packet_bytes) +
-                             (i - region * per_sender));
+    for (int region = 0; region < world(x) - 1; ++region) {
+      const int sender = region >= x.rank ? region + 1 : region;
+      Vec16* const first = reinterpret_cast<Vec16*>(base + int64_t(sender) * x.packet_bytes);
+      for (int64_t v = Coop::thread_index(); v < per_sender; v += stride) {
+        Coop::store_sentinel(first + v);
       }
     }
     // The previous call's headers (every sender's but this rank's, which nobody sends it).
