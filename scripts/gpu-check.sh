@@ -20,7 +20,7 @@
 # filter in place of the test's own) and SANITIZE_TIMEOUT narrow the sanitizer.
 # experiments: EXPERIMENTS (environment settings, one bench run each) and EXPERIMENT_ARGS.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 # NVLink multicast stays off on shared hosts (see README): never remove these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/gpu-out}
@@ -39,6 +39,34 @@ step() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 
 nccl_root=$(python3 -c 'import nvidia, os; p = os.path.join(nvidia.__path__[0], "nccl"); print(p if os.path.isdir(p) else "")' 2>/dev/null)
 
+# The ab step's base build (AB_BASE: a source tree to compare with, e.g. `git archive` of the
+# commit before a change, carried as an ignored folder): its tpfuse-bench, same preset options.
+# With the build step it starts in the background as soon as this tree is built, so that it
+# overlaps the GPU-bound tests and sanitizers.
+build_ab_base() {
+  # A warm machine keeps build/ab-base; a base tree from `git archive` carries commit times that
+  # may be older than its objects, so ninja alone would not see a new base: the folder goes when
+  # the tree's contents differ from the ones it was built from.
+  local base_hash
+  base_hash=$(cd "$AB_BASE" && find . -type f -not -path './build/*' -print0 | sort -z |
+    xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
+  if [ "$(cat build/ab-base/.tree-hash 2>/dev/null)" != "$base_hash" ]; then
+    rm -rf build/ab-base && mkdir -p build/ab-base && echo "$base_hash" >build/ab-base/.tree-hash
+  fi
+  cmake -S "$AB_BASE" -B build/ab-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPFUSE_CUDA=ON \
+    -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_TESTS=OFF ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
+    >"$OUT/ab-build.log" 2>&1 &&
+    cmake --build build/ab-base -j 16 --target tpfuse-bench >>"$OUT/ab-build.log" 2>&1 ||
+    { echo "AB BASE BUILD FAILED"; tail -20 "$OUT/ab-build.log"; return 1; }
+}
+# Timed steps wait for a base build still running, so that it shares no cores with them.
+wait_ab_base() {
+  if [ -n "${ab_build_pid:-}" ]; then
+    wait "$ab_build_pid" || { status=1; ab_build_failed=1; }
+    ab_build_pid=
+  fi
+}
+
 if [[ " $STEPS " == *" build "* ]]; then
   step build
   cmake --preset gpu ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$OUT/build.log" 2>&1 &&
@@ -54,6 +82,11 @@ if [[ " $STEPS " == *" build "* ]]; then
     echo "libtpfuse_torch.so exports $(nm -DC --defined-only "$library" | grep -cE 'std::(basic_ostream|basic_ios|ios_base|locale|num_put|codecvt)') libstdc++ stream symbols"
   fi
   [ $rc -eq 0 ] || { echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1; }
+  if [[ " $STEPS " == *" ab "* ]]; then
+    AB_BASE=${AB_BASE:?ab needs AB_BASE, a source tree to compare with}
+    build_ab_base &
+    ab_build_pid=$!
+  fi
 fi
 
 if [[ " $STEPS " == *" test "* ]]; then
@@ -94,6 +127,7 @@ fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
   step bench
+  wait_ab_base
   # tpfuse-bench never overwrites: a bench.json already in $OUT makes it write bench-1.json, ...;
   # the file it wrote is the one its last line names.
   TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} "$BUILD/bench/tpfuse-bench" --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
@@ -111,6 +145,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
 fi
 if [[ " $STEPS " == *" peers "* ]]; then
   step peers
+  wait_ab_base
   # The peers in the same run (bench/peers.py): FlashInfer's fused kernels, torch's symmetric
   # memory + tpfuse's local kernel, tpfuse from torch, and the local kernels on GPU 0; its
   # records join the bench step's results file (a file of their own without one). FlashInfer
@@ -133,6 +168,7 @@ if [[ " $STEPS " == *" peers "* ]]; then
 fi
 if [[ " $STEPS " == *" experiments "* ]]; then
   step experiments
+  wait_ab_base
   # Timing experiments: tpfuse-bench once per entry of EXPERIMENTS, each an environment setting
   # the library reads (e.g. "TPFUSE_DISABLE_PDL=1"; "base" for none), same binary, back to
   # back, EXPERIMENT_ARGS narrowing the run; logs and JSON per entry in experiments.tgz.
@@ -153,28 +189,26 @@ if [[ " $STEPS " == *" experiments "* ]]; then
 fi
 if [[ " $STEPS " == *" ab "* ]]; then
   step ab
-  # Same-machine A/B of this tree against another source tree (AB_BASE: e.g. `git archive` of
-  # the commit before a change, carried as an ignored folder): its tpfuse-bench is built beside
-  # this one with the same preset, then the two run alternately AB_ROUNDS times with AB_ARGS;
-  # scripts/ab_compare.py prints each op's median over the rounds and the ratio.
+  # Same-machine A/B of this tree against AB_BASE (build_ab_base above): the two tpfuse-bench
+  # run alternately AB_ROUNDS times with AB_ARGS; scripts/ab_compare.py prints each op's median
+  # over the rounds and the ratio.
   AB_BASE=${AB_BASE:?ab needs AB_BASE, a source tree to compare with}
-  # A warm machine keeps build/ab-base; a base tree from `git archive` carries commit times that
-  # may be older than its objects, so ninja alone would not see a new base: the folder goes when
-  # the tree's contents differ from the ones it was built from.
-  base_hash=$(cd "$AB_BASE" && find . -type f -not -path './build/*' -print0 | sort -z |
-    xargs -0 sha1sum | sha1sum | cut -d' ' -f1)
-  if [ "$(cat build/ab-base/.tree-hash 2>/dev/null)" != "$base_hash" ]; then
-    rm -rf build/ab-base && mkdir -p build/ab-base && echo "$base_hash" >build/ab-base/.tree-hash
+  if [ -n "${ab_build_pid:-}" ]; then
+    wait_ab_base
+  elif [ -z "${ab_build_failed:-}" ]; then
+    build_ab_base || status=1
   fi
-  cmake -S "$AB_BASE" -B build/ab-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DTPFUSE_CUDA=ON     -DTPFUSE_TORCH=OFF -DTPFUSE_BUILD_TESTS=OFF ${nccl_root:+-DNCCL_ROOT=$nccl_root}     >"$OUT/ab-build.log" 2>&1 &&
-    cmake --build build/ab-base -j 16 --target tpfuse-bench >>"$OUT/ab-build.log" 2>&1 ||
-    { echo "AB BASE BUILD FAILED"; tail -20 "$OUT/ab-build.log"; status=1; }
   mkdir -p "$OUT/ab"
+  # The order alternates by round (base new, new base, ...): the side run second in every round
+  # measured ~0.5% slower on unchanged kernels (bench/studies/h200-20261204-d5e887c-slot-clear).
   for round in $(seq 1 ${AB_ROUNDS:-2}); do
-    for side in base new; do
+    order="base new"
+    [ $((round % 2)) -eq 0 ] && order="new base"
+    for side in $order; do
       binary=$BUILD/bench/tpfuse-bench
       [ $side = base ] && binary=build/ab-base/bench/tpfuse-bench
-      TPFUSE_BENCH_COMMIT=$side "$binary" --out "$OUT/ab/$side-$round.json" ${AB_ARGS:-}         >"$OUT/ab/$side-$round.log" 2>&1 || status=1
+      TPFUSE_BENCH_COMMIT=$side "$binary" --out "$OUT/ab/$side-$round.json" ${AB_ARGS:-} \
+        >"$OUT/ab/$side-$round.log" 2>&1 || status=1
     done
   done
   python3 scripts/ab_compare.py --base "$OUT"/ab/base-*.json --new "$OUT"/ab/new-*.json \
@@ -183,6 +217,7 @@ if [[ " $STEPS " == *" ab "* ]]; then
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
   step profile
+  wait_ab_base
   # Nsight Compute on the QK-norm kernels of a one-GPU run (a team of one: no peer, so ncu's
   # kernel replay cannot stall on another GPU), with and without RoPE: duration, issue rate and
   # the dominant stall (the CLI prints no per-reason table: for that, export a report with
@@ -236,6 +271,7 @@ if [[ " $STEPS " == *" python "* ]]; then
 fi
 if [[ " $STEPS " == *" e2e "* ]]; then
   step e2e
+  wait_ab_base
   # The end-to-end decode benchmark (bench/e2e/decode.py), one process per GPU; E2E_ARGS narrows
   # it (batches, contexts, layer counts, modes) to fit a call.
   export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
@@ -248,6 +284,7 @@ if [[ " $STEPS " == *" e2e "* ]]; then
 fi
 if [[ " $STEPS " == *" cpu "* ]]; then
   step cpu
+  wait_ab_base
   # The CPU backend across processes on this host's cores (bench/cpu_processes.py: tpfuse's
   # shared-memory team against gloo's all-reduce + the local add + RMSNorm; CPU_ARGS narrows it),
   # and tpfuse-bench --processes in CPU mode.
@@ -261,5 +298,5 @@ if [[ " $STEPS " == *" cpu "* ]]; then
 fi
 # The device tool returns at most 8 files: the logs travel as one archive.
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
-step done "status $status"
+step "done" "status $status"
 exit $status
