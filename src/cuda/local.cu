@@ -33,11 +33,12 @@ namespace {
 // and once a thread has its vectors of a row it copies the same vectors of the block's next row
 // into shared memory (cp.async), in flight while this row finishes. Two buffers alternate, so a
 // copy never lands where the thread is still reading; a thread reads back only what it copied, so
-// no barrier is needed. (Staging measured slower where two or more blocks fit, and for the
-// four-vector forms, whose threads have twice the loads in flight.) Not for the MoE combine.
+// no barrier is needed. Not where two or more blocks fit (the other blocks' loads overlap the
+// reduction) nor for four-vector rows (twice the loads in flight already): staging slows those
+// (bench/studies/h200-20261202-local-staging/). Not for the MoE combine.
 // Up to this many elements a call lets the next kernel launch as its blocks finish, above as they
 // start: the next grid's early blocks take residency from a small call's rows, while a large
-// call's drain overlaps the next launch (measured: bench/studies/h200-20261202-local-trigger).
+// call's drain overlaps the next launch (bench/studies/h200-20261202-local-trigger/).
 constexpr int64_t kLateTriggerElements = int64_t{1} << 21;
 
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>

@@ -451,8 +451,8 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
 // block waits for has always been sent (no deadlock whatever the peers' grids). The grid is at most
 // what is resident at once, as for the one-token kernel. Blocks a multiprocessor the many-token
 // kernel is compiled for (0: ptxas's choice). With one vector a thread and RoPE in registers, the
-// prefetch took 100 registers unbounded (one block of 448 threads resident instead of two); held to
-// two blocks it fits 64 with 16 bytes spilled.
+// prefetch unbounded takes enough registers to leave one block of 448 threads resident; held to
+// two it spills a little.
 template <int kVecsPerThread, bool kPrefetch>
 constexpr int kGroupKernelMinBlocks = kPrefetch&& kVecsPerThread == 1 ? 2 : 0;
 
@@ -801,19 +801,15 @@ constexpr bool qk_kernel_exists() {
 
 }  // namespace
 
-// Tokens a block of the many-token kernel holds at once. Measured on one H200 (one rank,
-// MiniMax-M2's TP-2 slice, bf16, 2026-12-02): 4 was fastest or within 1% of it from 1024 tokens
-// on with RoPE (2: up to 1.2x slower, 8: up to 1.6x, its registers spill there), and within 10%
-// of 8 without.
+// Tokens a block of the many-token kernel holds at once: fewer share each exchange among fewer
+// tokens, more spill registers with RoPE (bench/studies/h200-20261202-eee69af-qk-many-tokens/).
 constexpr int kQkTokenGroup = 4;
 
 // Whether the fused QK norm takes the many-token kernel, whose grid (`group_grid`: its resident
-// blocks) holds kQkTokenGroup tokens a block: from a quarter of that grid's tokens. Measured on one
-// H200 (one rank, bf16, 2026-12-02, bench/results/h200-20261202-eee69af-qk-many-tokens/: its
-// group-experiments/ and ab/): at MiniMax-M2's TP-2 slice (a grid of 264) ahead from 512 tokens,
-// behind at 256; at its one-rank width with RoPE (a grid of 132) behind at 128 (7.41 against
-// 5.85 us), ahead from 512. TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes the
-// many-token kernel at any count, as a test of it on few tokens does).
+// blocks) holds kQkTokenGroup tokens a block: from a quarter of that grid's tokens (more tokens
+// than blocks). Below, the one-token kernel spreads the tokens over up to kQkTokenGroup times the
+// blocks and is faster (same study). TPFUSE_QK_MANY_TOKENS_FROM overrides it (read once; 0 takes
+// the many-token kernel at any count, as a test of it on few tokens does).
 template <typename Grid>
 bool takes_many_token_kernel(int64_t tokens, int multiprocessors, Grid&& group_grid) {
   static const int64_t configured = [] {
