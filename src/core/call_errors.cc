@@ -20,6 +20,8 @@ const char* op_name(uint32_t op) {
       return "fused QK norm";
     case CallOp::kRejected:
       return "a rejected call";
+    case CallOp::kNccl:
+      return "the NCCL path";
   }
   return "an unknown op";
 }
@@ -108,8 +110,10 @@ std::string describe_failure(const ErrorRecord& e, int rank, int device,
   out << "rank " << rank;
   if (device >= 0) out << " (device " << device << ")";
   out << ": a call timed out waiting for rank " << e.failure_peer << peer_note
-      << " (it did not make the call: it may have died or hung, or, with an in-process team, "
-         "been driven from the thread that waited; each rank needs its own thread); the team is "
+      << " (it did not make the call: it may have died or hung, rejected its arguments where "
+         "it could not take its turn (its own stream was bad, or its call went to NCCL), made "
+         "a call that went to NCCL while this one was fused, or, with an in-process team, been "
+         "driven from the thread that waited; each rank needs its own thread); the team is "
          "failed, create a new one";
   return out.str();
 }

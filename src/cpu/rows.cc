@@ -610,7 +610,7 @@ void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, 
   for (int64_t first = 0; first < rows; first += chunk) {
     RowCall sum{};
     sum.exchange = exchange;
-    sum.signature = row_signature(CallOp::kRowsOneShot, dtype, SumEpilogue::kKind,
+    sum.signature = row_signature(CallOp::kNccl, dtype, SumEpilogue::kKind,
                                   std::min(chunk, rows - first), row_elements, 0.0f);
     sum.input = static_cast<const char*>(input) + size_t(first) * row_bytes;
     sum.norm_out = static_cast<char*>(out) + size_t(first) * row_bytes;

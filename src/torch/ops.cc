@@ -64,7 +64,14 @@ class Registry {
   int64_t next_ = 1;
 };
 
+// A tensor argument given as None arrives as an undefined tensor (the in-place ops' residual is
+// not optional in their schemas, but the dispatcher lets None through).
+void check_defined(const at::Tensor& tensor, const char* op, const char* name) {
+  TORCH_CHECK(tensor.defined(), "tpfuse::", op, ": ", name, " is None, expected a tensor");
+}
+
 DType dtype_of(const at::Tensor& tensor, const char* op, const char* name) {
+  check_defined(tensor, op, name);
   switch (tensor.scalar_type()) {
     case at::kFloat:
       return DType::kFloat32;
@@ -80,6 +87,7 @@ DType dtype_of(const at::Tensor& tensor, const char* op, const char* name) {
 
 void check_like(const at::Tensor& tensor, const at::Tensor& reference, const char* op,
                 const char* name) {
+  check_defined(tensor, op, name);
   TORCH_CHECK(tensor.scalar_type() == reference.scalar_type(), "tpfuse::", op, ": ", name,
               " must have dtype ", reference.scalar_type(), ", got ", tensor.scalar_type());
   TORCH_CHECK(tensor.device() == reference.device(), "tpfuse::", op, ": ", name, " must be on ",
@@ -227,6 +235,32 @@ Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bo
   return out;
 }
 
+// Whether two contiguous tensors share any byte.
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto* a_begin = static_cast<const char*>(a.data_ptr());
+  const auto* b_begin = static_cast<const char*>(b.data_ptr());
+  return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
+}
+
+// The in-place ops write the norm into input and the sum into residual: the two must be apart,
+// and neither may touch the weight every row reads. Checked here so that the message names the
+// op's own arguments (the library's check would name norm_out, residual_out and gamma).
+void check_in_place(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+                    const char* op) {
+  TORCH_CHECK(!input.is_same(residual) && !overlap(input, residual), "tpfuse::", op,
+              input.is_same(residual) ? ": input and residual are the same tensor"
+                                      : ": input and residual overlap",
+              "; the in-place op writes the norm into input and the sum into residual, so they "
+              "must be two tensors apart");
+  TORCH_CHECK(!overlap(input, weight), "tpfuse::", op,
+              ": input overlaps weight; the in-place op writes the norm into input, and every "
+              "row reads weight");
+  TORCH_CHECK(!overlap(residual, weight), "tpfuse::", op,
+              ": residual overlaps weight; the in-place op writes the sum into residual, and "
+              "every row reads weight");
+}
+
 // The MoE finalize's tensors, in place of input (AddRmsNormArgs::moe_*).
 struct MoeInputs {
   const at::Tensor& expert_rows;      // [tokens, topk, hidden]
@@ -249,10 +283,9 @@ void run_add_rmsnorm(
   checked_call(
       team,
       [&] {
-        op_checks();
+        const DType dtype = dtype_of(input, op, "input");
         TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
                     input.sizes());
-        const DType dtype = dtype_of(input, op, "input");
         check_like(input, input, op, "input");
         check_like(weight, input, op, "weight");
         TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(1), "tpfuse::", op,
@@ -262,6 +295,7 @@ void run_add_rmsnorm(
           TORCH_CHECK(residual->sizes() == input.sizes(), "tpfuse::", op, ": residual must be ",
                       input.sizes(), ", got ", residual->sizes());
         }
+        op_checks();
         args.input = moe != nullptr ? nullptr : input.data_ptr();
         if (moe != nullptr) {
           const at::Tensor& rows = moe->expert_rows;
@@ -387,12 +421,7 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_(
   const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, input, op);
   run_add_rmsnorm(
       team_handle, input, &residual, weight, eps, algorithm, norm_weight, input, residual, op,
-      [&] {
-        TORCH_CHECK(!input.is_same(residual), "tpfuse::", op,
-                    ": input and residual are the same tensor; the in-place op writes the norm "
-                    "into input and the sum into residual, so they must be two tensors");
-      },
-      &fp8);
+      [&] { check_in_place(input, residual, weight, op); }, &fp8);
   return {fp8.quant_out, fp8.scales};
 }
 
@@ -412,13 +441,9 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm(int64_t team_handle,
 void allreduce_add_rmsnorm_(int64_t team_handle, at::Tensor& input, at::Tensor& residual,
                             const at::Tensor& weight, double eps, int64_t algorithm,
                             int64_t norm_weight) {
+  const char* op = "allreduce_add_rmsnorm_";
   run_add_rmsnorm(team_handle, input, &residual, weight, eps, algorithm, norm_weight, input,
-                  residual, "allreduce_add_rmsnorm_", [&] {
-                    TORCH_CHECK(!input.is_same(residual),
-                                "tpfuse::allreduce_add_rmsnorm_: input and residual are the same "
-                                "tensor; the in-place op writes the norm into input and the sum "
-                                "into residual, so they must be two tensors");
-                  });
+                  residual, op, [&] { check_in_place(input, residual, weight, op); });
 }
 
 at::Tensor allreduce(int64_t team_handle, const at::Tensor& input, int64_t algorithm) {

@@ -276,6 +276,31 @@ TEST_F(Arguments, MoeFinalizeArgumentsAreChecked) {
       << peer_error;
 }
 
+// The CPU backend's NCCL path exchanges its sums through the session too: a fused call against
+// it is told that the algorithm differs (not the first epilogue field that happens to).
+TEST_F(Arguments, AFusedCallAgainstThePeersNcclPathNamesTheAlgorithm) {
+  AddRmsNormArgs args = args_;
+  args.algorithm = Algorithm::kOneShot;
+  AddRmsNormArgs peer_args = peer_args_;
+  peer_args.algorithm = Algorithm::kNccl;
+  std::string peer_error;
+  std::thread peer([&] {
+    try {
+      allreduce_add_rmsnorm(team_[1], peer_args);
+    } catch (const Error& error) {
+      peer_error = error.what();
+    }
+  });
+  expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                      "in the op / algorithm: one-shot all-reduce (+ add + RMSNorm) here, the "
+                      "NCCL path on rank 1");
+  peer.join();
+  EXPECT_NE(peer_error.find("in the op / algorithm: the NCCL path here, one-shot all-reduce (+ add "
+                            "+ RMSNorm) on rank 0"),
+            std::string::npos)
+      << peer_error;
+}
+
 TEST_F(Arguments, EmptyBatchesTakeTheirTurnAndMustAgree) {
   AddRmsNormArgs args = args_;
   args.tokens = 0;

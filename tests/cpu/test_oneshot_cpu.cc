@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "oneshot_properties.h"
@@ -131,6 +133,59 @@ TEST(CpuOneShotLimits, MissingPeerIsReportedNotWaitedFor) {
   EXPECT_NO_THROW(team[1].check());
   // A failed team refuses further calls instead of corrupting them.
   EXPECT_THROW(allreduce(team[0], input.data(), out.data(), 64, DType::kBFloat16), Error);
+}
+
+// Which bits each algorithm keeps where the residual cancels the sum (README, Limits): one-shot
+// and two-shot round sum + residual once, the NCCL path rounds the sum first. In bf16, 1 + 2^-8
+// is halfway between 1 and 1 + 2^-7 and rounds to 1, so with residual -1 the fused paths give
+// 2^-8 and the NCCL path 0 in every element: the whole value, not a last bit.
+TEST(CpuRounding, TheNcclPathRoundsTheSumBeforeTheResidualAndTheFusedPathsDoNot) {
+  constexpr int64_t kHidden = 64;
+  std::vector<Team> team = create_cpu_team(2);
+  HostTensor gamma(DType::kBFloat16, kHidden), residual(DType::kBFloat16, kHidden);
+  std::vector<HostTensor> inputs(2, HostTensor(DType::kBFloat16, kHidden));
+  for (size_t i = 0; i < size_t(kHidden); ++i) {
+    gamma.set(i, 1.0);
+    residual.set(i, -1.0);
+    inputs[0].set(i, 1.0);
+    inputs[1].set(i, 0.00390625);  // 2^-8
+  }
+  for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot, Algorithm::kNccl}) {
+    std::vector<HostTensor> residual_out(2, poisoned(DType::kBFloat16, kHidden));
+    std::vector<HostTensor> norm_out(2, poisoned(DType::kBFloat16, kHidden));
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        AddRmsNormArgs args;
+        args.input = inputs[rank].data();
+        args.residual = residual.data();
+        args.gamma = gamma.data();
+        args.residual_out = residual_out[rank].data();
+        args.norm_out = norm_out[rank].data();
+        args.tokens = 1;
+        args.hidden = kHidden;
+        args.dtype = DType::kBFloat16;
+        args.eps = 1e-6f;
+        args.algorithm = algorithm;
+        EXPECT_EQ(allreduce_add_rmsnorm(team[rank], args), algorithm);
+      });
+    }
+    for (std::thread& rank : ranks) rank.join();
+    const double expected = algorithm == Algorithm::kNccl ? 0.0 : 0.00390625;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (size_t i = 0; i < size_t(kHidden); ++i) {
+        ASSERT_EQ(residual_out[rank].get(i), expected)
+            << algorithm_name(algorithm) << ", rank " << rank << ", element " << i;
+      }
+      EXPECT_EQ(residual_out[rank].bytes, residual_out[0].bytes);
+      EXPECT_EQ(norm_out[rank].bytes, norm_out[0].bytes);
+    }
+    // The norm of a row of zeros is zero; of a constant row x, 1 / sqrt(1 + eps / x^2), in bf16.
+    const double x = expected;
+    EXPECT_NEAR(norm_out[0].get(0), x == 0.0 ? 0.0 : 1.0 / std::sqrt(1.0 + 1e-6 / (x * x)),
+                1.0 / 256)
+        << algorithm_name(algorithm);
+  }
 }
 
 TEST(CpuOneRankTeam, EveryAlgorithmGivesTheLocalEpiloguesBits) {

@@ -187,6 +187,31 @@ class AddRmsNorm(unittest.TestCase):
             tpfuse.allreduce_add_rmsnorm_(team, same, same, weight, 1e-6)
         with self.assertRaisesRegex(TypeError, "residual must be a tensor"):
             tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6)
+        # The raw op takes None where its schema has a tensor: named, not "got UNKNOWN_SCALAR".
+        with self.assertRaisesRegex(RuntimeError, "allreduce_add_rmsnorm_: residual is None"):
+            torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, x.clone(), None, weight, 1e-6)
+        # The in-place ops name their own arguments, not the library's norm_out / gamma.
+        storage = torch.zeros(3 * 2 * 64, dtype=torch.bfloat16)
+        rows, other, tail = storage[:128].view(2, 64), storage[128:256].view(2, 64), storage[256:]
+        in_place = [
+            (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, rows, other,
+                                                              rows[0], 1e-6),
+             "allreduce_add_rmsnorm_: input overlaps weight"),
+            (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, rows, other,
+                                                              other[1], 1e-6),
+             "allreduce_add_rmsnorm_: residual overlaps weight"),
+            (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, rows,
+                                                              storage[64:192].view(2, 64),
+                                                              tail[:64], 1e-6),
+             "allreduce_add_rmsnorm_: input and residual overlap"),
+            (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_(team.handle, rows, other,
+                                                                  rows[1], 1e-6, 2),
+             "allreduce_add_rmsnorm_fp8_: input overlaps weight"),
+        ]
+        for call, message in in_place:
+            with self.assertRaisesRegex(RuntimeError, message):
+                call()
+        self.assertTrue(torch.equal(storage, torch.zeros_like(storage)), "nothing was written")
         with self.assertRaisesRegex(RuntimeError, "weight is on cpu but another argument is a meta"):
             tpfuse.allreduce_add_rmsnorm(team, x.to("meta"), None, weight, 1e-6)
         with self.assertRaisesRegex(RuntimeError, "input is on cpu but another argument is a meta"):

@@ -45,6 +45,8 @@ enum class CallOp : uint32_t {
   kRowsTwoShot = 2,  // the same, two-shot
   kQkOneShot = 3,    // allreduce_qk_rmsnorm, fused
   kRejected = 4,     // the sender rejected its call and sends no packets
+  kNccl = 5,  // the CPU backend's NCCL path: its sums go one-shot, labelled so that a fused peer
+              // is told the algorithm differs
 };
 
 // A call's signature, as its header carries it. No word is ever the sentinel (each < 2^31):
@@ -263,6 +265,7 @@ TPF_HOST_DEVICE SenderExtents sender_extents(const CallSignature& s, int sender,
   const uint64_t row_bytes = uint64_t(s.width()) * signature_element_bytes(s);
   switch (s.op()) {
     case CallOp::kRowsOneShot:
+    case CallOp::kNccl:
       e.end[0] = uint64_t(s.tokens()) * row_bytes;
       e.clear_bytes = e.end[0];
       break;
