@@ -31,6 +31,18 @@ class Harness {
   // Queues call(rank, stream) on every rank without waiting for device work (CPU: same as run).
   virtual void enqueue(const std::function<void(int rank, cudaStream_t stream)>& call) = 0;
   virtual void synchronize() = 0;
+  // Captures call(rank, stream) once on every rank, then replays it `replays` times: before(i)
+  // runs on the host before replay i, after(i) once replay i has finished on every rank. The
+  // CUDA harness captures a CUDA graph a rank and launches it; here the call runs each time.
+  virtual void replay(const std::function<void(int rank, cudaStream_t stream)>& call, int replays,
+                      const std::function<void(int replay)>& before,
+                      const std::function<void(int replay)>& after) {
+    for (int i = 0; i < replays; ++i) {
+      before(i);
+      run(call);
+      after(i);
+    }
+  }
 
   // The algorithm the property suites force on every call (kAuto: the team chooses).
   Algorithm algorithm = Algorithm::kAuto;

@@ -98,37 +98,10 @@ class OneShotRunner {
   // Queues `specs.size()` (at most `sets`) calls back to back on every rank, then waits.
   std::vector<CaseResult> run_batch(const std::vector<CaseSpec>& specs,
                                     const std::vector<CaseData>& data) {
-    const int world = harness_.world_size();
-    std::vector<std::vector<Buffers>> buffers(specs.size(), std::vector<Buffers>(world));
+    std::vector<std::vector<Buffers>> buffers(specs.size());
     for (size_t c = 0; c < specs.size(); ++c) {
-      const CaseSpec& spec = specs[c];
-      const size_t bytes = size_t(spec.tokens * spec.hidden) * dtype_size(spec.dtype);
-      const HostTensor poison = poisoned(spec.dtype, size_t(spec.tokens * spec.hidden));
-      for (int r = 0; r < world; ++r) {
-        Buffers& b = buffers[c][r] = buffers_for(int(c), r, bytes, spec.hidden, spec.moe_topk);
-        if (spec.moe_topk > 0) {
-          harness_.upload(r, b.moe_rows, data[c].moe_rows[r].data(), bytes * spec.moe_topk);
-          harness_.upload(r, b.moe_weights, data[c].moe_weights[r].data(),
-                          data[c].moe_weights[r].bytes.size());
-          if (spec.moe_shared)
-            harness_.upload(r, b.moe_shared, data[c].moe_shared[r].data(), bytes);
-          // The input buffer (norm_out in place) starts poisoned: the call must not read it.
-          harness_.upload(r, b.input, poison.data(), bytes);
-        } else {
-          harness_.upload(r, b.input, data[c].inputs[r].data(), bytes);
-        }
-        if (spec.residual) harness_.upload(r, b.residual, data[c].residuals[r].data(), bytes);
-        harness_.upload(r, b.gamma, data[c].gamma.data(), data[c].gamma.bytes.size());
-        if (!spec.norm_in_place) harness_.upload(r, b.norm_out, poison.data(), bytes);
-        if (!spec.residual_in_place) harness_.upload(r, b.residual_out, poison.data(), bytes);
-        if (spec.quant != QuantMode::kNone) {
-          const std::vector<uint8_t> poison_bytes(quant_bytes(spec), 0x5a);
-          harness_.upload(r, b.quant_out, poison_bytes.data(), poison_bytes.size());
-          const std::vector<float> poison_scales(scale_count(spec) + 1, std::nanf(""));
-          harness_.upload(r, b.scales, poison_scales.data(), poison_scales.size() * 4);
-          harness_.upload(r, b.scale, &spec.static_scale, 4);
-        }
-      }
+      buffers[c] = buffers_of(int(c), specs[c]);
+      upload(specs[c], data[c], buffers[c]);
     }
     std::vector<Algorithm> ran(specs.size());
     try {
@@ -149,32 +122,22 @@ class OneShotRunner {
       throw;
     }
     std::vector<CaseResult> results(specs.size());
-    for (size_t c = 0; c < specs.size(); ++c) {
-      const CaseSpec& spec = specs[c];
-      results[c].algorithm = ran[c];
-      const size_t count = size_t(spec.tokens * spec.hidden);
-      for (int r = 0; r < world; ++r) {
-        const Buffers& b = buffers[c][r];
-        HostTensor norm(spec.dtype, count), residual_out(spec.dtype, count);
-        harness_.download(r, norm.data(), spec.norm_in_place ? b.input : b.norm_out,
-                          norm.bytes.size());
-        if (writes_residual_out(spec)) {
-          harness_.download(r, residual_out.data(),
-                            spec.residual_in_place ? b.residual : b.residual_out,
-                            residual_out.bytes.size());
-        }
-        results[c].norm_out.push_back(std::move(norm));
-        results[c].residual_out.push_back(std::move(residual_out));
-        if (spec.quant != QuantMode::kNone) {
-          std::vector<uint8_t> quant(quant_bytes(spec));
-          std::vector<float> scales(scale_count(spec));
-          harness_.download(r, quant.data(), b.quant_out, quant.size());
-          if (!scales.empty()) harness_.download(r, scales.data(), b.scales, scales.size() * 4);
-          results[c].quant_out.push_back(std::move(quant));
-          results[c].scales.push_back(std::move(scales));
-        }
-      }
-    }
+    for (size_t c = 0; c < specs.size(); ++c) results[c] = download(specs[c], buffers[c], ran[c]);
+    return results;
+  }
+
+  // One call captured once (a CUDA graph a rank on the GPU) and replayed on each of `data`'s
+  // inputs, outputs poisoned before every replay: a result a replay.
+  std::vector<CaseResult> run_replays(const CaseSpec& spec, const std::vector<CaseData>& data) {
+    const std::vector<Buffers> buffers = buffers_of(0, spec);
+    std::vector<Algorithm> ran(size_t(harness_.world_size()));
+    std::vector<CaseResult> results(data.size());
+    harness_.replay(
+        [&](int rank, cudaStream_t stream) {
+          ran[size_t(rank)] = call(spec, buffers[size_t(rank)], rank, stream);
+        },
+        int(data.size()), [&](int i) { upload(spec, data[size_t(i)], buffers); },
+        [&](int i) { results[size_t(i)] = download(spec, buffers, ran[0]); });
     return results;
   }
 
@@ -216,6 +179,75 @@ class OneShotRunner {
     size_t moe_bytes = 0;
     size_t moe_shared_bytes = 0;
   };
+
+  // Every rank's buffers of set `set`, large enough for `spec`.
+  std::vector<Buffers> buffers_of(int set, const CaseSpec& spec) {
+    const size_t bytes = size_t(spec.tokens * spec.hidden) * dtype_size(spec.dtype);
+    std::vector<Buffers> buffers(size_t(harness_.world_size()));
+    for (int r = 0; r < harness_.world_size(); ++r) {
+      buffers[size_t(r)] = buffers_for(set, r, bytes, spec.hidden, spec.moe_topk);
+    }
+    return buffers;
+  }
+
+  // A case's inputs into every rank's buffers, its outputs poisoned.
+  void upload(const CaseSpec& spec, const CaseData& data, const std::vector<Buffers>& buffers) {
+    const size_t bytes = size_t(spec.tokens * spec.hidden) * dtype_size(spec.dtype);
+    const HostTensor poison = poisoned(spec.dtype, size_t(spec.tokens * spec.hidden));
+    for (int r = 0; r < harness_.world_size(); ++r) {
+      const Buffers& b = buffers[size_t(r)];
+      if (spec.moe_topk > 0) {
+        harness_.upload(r, b.moe_rows, data.moe_rows[r].data(), bytes * spec.moe_topk);
+        harness_.upload(r, b.moe_weights, data.moe_weights[r].data(),
+                        data.moe_weights[r].bytes.size());
+        if (spec.moe_shared) harness_.upload(r, b.moe_shared, data.moe_shared[r].data(), bytes);
+        // The input buffer (norm_out in place) starts poisoned: the call must not read it.
+        harness_.upload(r, b.input, poison.data(), bytes);
+      } else {
+        harness_.upload(r, b.input, data.inputs[r].data(), bytes);
+      }
+      if (spec.residual) harness_.upload(r, b.residual, data.residuals[r].data(), bytes);
+      harness_.upload(r, b.gamma, data.gamma.data(), data.gamma.bytes.size());
+      if (!spec.norm_in_place) harness_.upload(r, b.norm_out, poison.data(), bytes);
+      if (!spec.residual_in_place) harness_.upload(r, b.residual_out, poison.data(), bytes);
+      if (spec.quant != QuantMode::kNone) {
+        const std::vector<uint8_t> poison_bytes(quant_bytes(spec), 0x5a);
+        harness_.upload(r, b.quant_out, poison_bytes.data(), poison_bytes.size());
+        const std::vector<float> poison_scales(scale_count(spec) + 1, std::nanf(""));
+        harness_.upload(r, b.scales, poison_scales.data(), poison_scales.size() * 4);
+        harness_.upload(r, b.scale, &spec.static_scale, 4);
+      }
+    }
+  }
+
+  // A case's outputs from every rank.
+  CaseResult download(const CaseSpec& spec, const std::vector<Buffers>& buffers, Algorithm ran) {
+    CaseResult result;
+    result.algorithm = ran;
+    const size_t count = size_t(spec.tokens * spec.hidden);
+    for (int r = 0; r < harness_.world_size(); ++r) {
+      const Buffers& b = buffers[size_t(r)];
+      HostTensor norm(spec.dtype, count), residual_out(spec.dtype, count);
+      harness_.download(r, norm.data(), spec.norm_in_place ? b.input : b.norm_out,
+                        norm.bytes.size());
+      if (writes_residual_out(spec)) {
+        harness_.download(r, residual_out.data(),
+                          spec.residual_in_place ? b.residual : b.residual_out,
+                          residual_out.bytes.size());
+      }
+      result.norm_out.push_back(std::move(norm));
+      result.residual_out.push_back(std::move(residual_out));
+      if (spec.quant != QuantMode::kNone) {
+        std::vector<uint8_t> quant(quant_bytes(spec));
+        std::vector<float> scales(scale_count(spec));
+        harness_.download(r, quant.data(), b.quant_out, quant.size());
+        if (!scales.empty()) harness_.download(r, scales.data(), b.scales, scales.size() * 4);
+        result.quant_out.push_back(std::move(quant));
+        result.scales.push_back(std::move(scales));
+      }
+    }
+    return result;
+  }
 
   Buffers buffers_for(int set, int rank, size_t bytes, int64_t hidden, int topk) {
     if (pool_.empty()) pool_.assign(sets_, std::vector<Buffers>(harness_.world_size()));
@@ -890,6 +922,59 @@ inline void check_moe_finalize(Harness& harness, uint64_t seed, int cases) {
     plain.moe_weights_in_dtype = false;
     expect_same_bits(spec, moe, runner.run(plain, data),
                      "the call with its contributions as input");
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// The FP8 outputs and the MoE finalize replayed from one capture (a CUDA graph a rank on the
+// GPU, as engines run their decode step) on fresh inputs, outputs poisoned before every replay:
+// every replay matches the float64 reference and the FP8 definition (expect_correct), plain
+// inputs alternate a million times apart in scale, and the first replay gives the bits of the
+// same call made eagerly.
+inline void check_graph_replays(Harness& harness, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  std::vector<CaseSpec> specs(5);
+  specs[0].quant = QuantMode::kStatic;
+  specs[0].tokens = 5;
+  specs[0].static_scale = 0.004f;
+  specs[1].dtype = DType::kFloat16;
+  specs[1].hidden = 4096;
+  specs[1].tokens = 3;
+  specs[1].quant = QuantMode::kPerToken;
+  specs[1].norm_weight = NormWeight::kOnePlusGamma;
+  specs[2].hidden = 7168;
+  specs[2].tokens = 7;
+  specs[2].quant = QuantMode::kPerTokenGroup128;
+  specs[2].scales_column_major = true;
+  specs[2].residual_in_place = true;
+  specs[2].norm_in_place = true;
+  specs[3].hidden = 1152;
+  specs[3].tokens = 6;
+  specs[3].moe_topk = 6;
+  specs[3].moe_shared = true;
+  specs[3].quant = QuantMode::kPerTokenGroup128;
+  specs[4].dtype = DType::kFloat32;
+  specs[4].hidden = 384;
+  specs[4].tokens = 2;
+  specs[4].moe_topk = 2;
+  specs[4].moe_weights_in_dtype = true;
+  constexpr int kReplays = 12;
+  for (CaseSpec& spec : specs) {
+    spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
+    std::vector<CaseData> data;
+    for (int i = 0; i < kReplays; ++i) {
+      const double scale = i % 2 ? 1000.0 : 0.001;
+      data.push_back(spec.moe_topk > 0 ? moe_case(rng, spec, harness.world_size())
+                                       : random_case(rng, spec, harness.world_size(), scale));
+      data.back().gamma = data.front().gamma;  // the weight is part of the capture's inputs
+    }
+    const std::vector<CaseResult> replays = runner.run_replays(spec, data);
+    for (int i = 0; i < kReplays; ++i) {
+      SCOPED_TRACE("replay " + std::to_string(i));
+      expect_correct(spec, data[size_t(i)], replays[size_t(i)]);
+    }
+    expect_same_bits(spec, replays[0], runner.run(spec, data[0]), "the call made eagerly");
     if (::testing::Test::HasFailure()) return;
   }
 }

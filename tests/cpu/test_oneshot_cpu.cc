@@ -50,6 +50,10 @@ TEST_P(CpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
   check_moe_finalize(harness_, seed(3800), 6);
 }
 
+TEST_P(CpuAlgorithms, Fp8AndMoeCallsReplayedOnFreshInputs) {
+  check_graph_replays(harness_, seed(3900));
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CpuAlgorithms,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                                             ::testing::Values(Algorithm::kOneShot,

@@ -100,6 +100,48 @@ class CudaHarness : public Harness {
       team_[r].check();
     }
   }
+  // Each rank's thread captures its calls into a CUDA graph (as a serving engine captures its
+  // decode step), then every replay launches the graphs of all ranks.
+  void replay(const std::function<void(int, cudaStream_t)>& call, int replays,
+              const std::function<void(int)>& before,
+              const std::function<void(int)>& after) override {
+    std::vector<cudaGraphExec_t> graphs(world_size(), nullptr);
+    const auto destroy = [&] {
+      for (int r = 0; r < world_size(); ++r) {
+        if (graphs[r] != nullptr) cudaGraphExecDestroy(graphs[r]);
+      }
+    };
+    try {
+      enqueue([&](int rank, cudaStream_t stream) {
+        check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+        cudaGraph_t graph = nullptr;
+        try {
+          call(rank, stream);
+        } catch (...) {
+          cudaStreamEndCapture(stream, &graph);  // leaves the stream usable
+          if (graph != nullptr) cudaGraphDestroy(graph);
+          throw;
+        }
+        check_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+        const cudaError_t instantiated = cudaGraphInstantiate(&graphs[rank], graph, 0);
+        cudaGraphDestroy(graph);
+        check_cuda(instantiated, "cudaGraphInstantiate");
+      });
+      for (int i = 0; i < replays; ++i) {
+        before(i);
+        for (int r = 0; r < world_size(); ++r) {
+          check_cuda(cudaSetDevice(devices_[r]), "cudaSetDevice");
+          check_cuda(cudaGraphLaunch(graphs[r], streams_[r]), "cudaGraphLaunch");
+        }
+        synchronize();
+        after(i);
+      }
+    } catch (...) {
+      destroy();
+      throw;
+    }
+    destroy();
+  }
 
  private:
   static std::vector<int> first_devices(int world_size) {

@@ -120,6 +120,13 @@ TEST_P(GpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
   check_moe_finalize(harness, 69 + int(GetParam()), 16);
 }
 
+// The FP8 outputs and the MoE finalize captured in CUDA graphs and replayed on fresh inputs.
+TEST_P(GpuAlgorithms, Fp8AndMoeCallsReplayedFromCudaGraphs) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_graph_replays(harness, 72 + int(GetParam()));
+}
+
 TEST_P(GpuAlgorithms, AdversarialPayloads) {
   CudaHarness harness(gpus());
   harness.algorithm = GetParam();
@@ -344,6 +351,13 @@ TEST(GpuOneRankTeam, MoeFinalizeMatchesItsDefinition) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
   check_moe_finalize(harness, 6350, 16);
+}
+
+// The local kernel's FP8 outputs and MoE combine captured in a CUDA graph and replayed.
+TEST(GpuOneRankTeam, Fp8AndMoeCallsReplayedFromCudaGraphs) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  check_graph_replays(harness, 6370);
 }
 
 // A one-rank team runs the fused QK kernel (its exchange with itself only): with more tokens

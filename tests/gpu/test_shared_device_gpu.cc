@@ -115,6 +115,14 @@ TEST_P(SharedDevice, MoeFinalizeMatchesItsDefinition) {
   }
 }
 
+// The same captured in CUDA graphs (one a rank, launched together) and replayed on fresh inputs.
+TEST_P(SharedDevice, Fp8AndMoeCallsReplayedFromCudaGraphs) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_graph_replays(*harness_, seed(980) + uint64_t(algorithm));
+  }
+}
+
 TEST_P(SharedDevice, QkNormMatchesFloat64Reference) {
   check_qk_random_cases(*harness_, seed(970), 40);
 }
