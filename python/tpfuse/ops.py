@@ -12,6 +12,13 @@ from .team import Team
 
 ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2, "nccl": 3}
 
+# The FP8 output's constants, the values of include/tpfuse/limits.h's kQuantGroupSize and
+# kQuantMinAmax (the package's one copy; tests/python/test_passes_fp8_cpu.py checks them against
+# the op's outputs): elements per scale group along hidden, and the dynamic scales' floor,
+# scale = max(amax, QUANT_MIN_AMAX) / 448.
+QUANT_GROUP_SIZE = 128
+QUANT_MIN_AMAX = 1e-10
+
 
 class NormWeight(enum.IntEnum):
     """The weight the RMSNorm applies: gamma, or 1 + gamma in fp32 (Gemma's and Qwen3-Next's

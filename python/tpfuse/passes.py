@@ -58,6 +58,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .ops import QUANT_GROUP_SIZE, QUANT_MIN_AMAX
 from .team import Team
 
 aten = torch.ops.aten
@@ -580,8 +581,6 @@ class QkNormRope(FusedPattern):
 FUSED_NORM_FP8 = torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
-_QUANT_MIN_AMAX = 1e-10  # tpfuse/limits.h: kQuantMinAmax
-QUANT_GROUP = 128
 
 
 def quant_fp8_static(n, scale):
@@ -592,14 +591,14 @@ def quant_fp8_static(n, scale):
 def quant_fp8_per_token(n):
     """(q, scale [..., 1]): each token's scale max(amax, 1e-10) / 448."""
     nf = n.float()
-    scale = nf.abs().amax(-1, keepdim=True).clamp(min=_QUANT_MIN_AMAX) / _FP8_MAX
+    scale = nf.abs().amax(-1, keepdim=True).clamp(min=QUANT_MIN_AMAX) / _FP8_MAX
     return (nf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8), scale
 
 
 def quant_fp8_group(n):
     """(q, scale [..., hidden / 128, 1]): a scale per token and group of 128 along hidden."""
-    nf = n.float().reshape(*n.shape[:-1], n.shape[-1] // QUANT_GROUP, QUANT_GROUP)
-    scale = nf.abs().amax(-1, keepdim=True).clamp(min=_QUANT_MIN_AMAX) / _FP8_MAX
+    nf = n.float().reshape(*n.shape[:-1], n.shape[-1] // QUANT_GROUP_SIZE, QUANT_GROUP_SIZE)
+    scale = nf.abs().amax(-1, keepdim=True).clamp(min=QUANT_MIN_AMAX) / _FP8_MAX
     q = (nf / scale).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).reshape(n.shape)
     return q, scale
 
@@ -645,7 +644,7 @@ class NormQuantFp8(FusedPattern):
         self.argnames = ["n", "scale"] if mode == "static" else ["n"]
 
     def example_inputs(self):
-        specs = [((5, 2 * QUANT_GROUP), torch.bfloat16)]
+        specs = [((5, 2 * QUANT_GROUP_SIZE), torch.bfloat16)]
         if self.mode == "static":
             specs.append(((1,), torch.float32))
         return _fake_inputs(*specs)
@@ -680,7 +679,7 @@ class NormQuantFp8(FusedPattern):
         hidden = n.shape[-1] if n.dim() >= 1 else None
         if n.dtype not in (torch.bfloat16, torch.float16) or not isinstance(hidden, int):
             return None
-        if self.mode == "group128" and hidden % QUANT_GROUP:
+        if self.mode == "group128" and hidden % QUANT_GROUP_SIZE:
             return None
         if self.mode == "static":
             scale = values[1]
@@ -727,7 +726,7 @@ class NormQuantFp8(FusedPattern):
             q = quant_out.view(n.shape)
             if self.mode == "static":
                 return q
-            groups = n.shape[-1] // QUANT_GROUP if self.mode == "group128" else 1
+            groups = n.shape[-1] // QUANT_GROUP_SIZE if self.mode == "group128" else 1
             lead = n.shape[:-1] if self.mode == "per_token" else (*n.shape[:-1], groups)
             return q, scales.view(*lead, 1)
 

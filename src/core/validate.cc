@@ -13,57 +13,6 @@
 
 namespace tpfuse::impl {
 
-bool is_known(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-    case DType::kFloat16:
-    case DType::kBFloat16:
-      return true;
-  }
-  return false;
-}
-
-bool is_known(Algorithm algorithm) {
-  switch (algorithm) {
-    case Algorithm::kAuto:
-    case Algorithm::kOneShot:
-    case Algorithm::kTwoShot:
-    case Algorithm::kNccl:
-      return true;
-  }
-  return false;
-}
-
-bool is_known(NormWeight weight) {
-  switch (weight) {
-    case NormWeight::kGamma:
-    case NormWeight::kOnePlusGamma:
-      return true;
-  }
-  return false;
-}
-
-bool is_known(QuantMode mode) {
-  switch (mode) {
-    case QuantMode::kNone:
-    case QuantMode::kStatic:
-    case QuantMode::kPerToken:
-    case QuantMode::kPerTokenGroup128:
-      return true;
-  }
-  return false;
-}
-
-bool is_known(RopeStyle style) {
-  switch (style) {
-    case RopeStyle::kNone:
-    case RopeStyle::kNeox:
-    case RopeStyle::kInterleaved:
-      return true;
-  }
-  return false;
-}
-
 namespace {
 
 bool is_aligned(const void* pointer) {

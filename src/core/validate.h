@@ -2,16 +2,11 @@
 #pragma once
 
 #include "core/team_state.h"
+#include "tpfuse/impl/enums.h"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
-
-bool is_known(DType dtype);
-bool is_known(Algorithm algorithm);
-bool is_known(NormWeight weight);
-bool is_known(QuantMode mode);
-bool is_known(RopeStyle style);
 
 void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                           const char* op);

@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "tpfuse/impl/enums.h"
 #include "tpfuse/tpfuse.h"
 #include "tpfuse/version.h"
 
@@ -135,13 +136,13 @@ void on_device(const Team& team, Fn&& call) {
 }
 
 NormWeight norm_weight_of(int64_t value, const char* op) {
-  TORCH_CHECK(value == 0 || value == 1, "tpfuse::", op,
+  TORCH_CHECK(impl::is_known_value<NormWeight>(value), "tpfuse::", op,
               ": norm_weight must be 0 (weight) or 1 (one plus weight), got ", value);
   return NormWeight(value);
 }
 
 Algorithm algorithm_of(int64_t value, const char* op) {
-  TORCH_CHECK(value >= 0 && value <= 3, "tpfuse::", op,
+  TORCH_CHECK(impl::is_known_value<Algorithm>(value), "tpfuse::", op,
               ": algorithm must be 0 (auto), 1 (oneshot), ", "2 (twoshot) or 3 (nccl), got ",
               value);
   return Algorithm(value);
@@ -189,7 +190,9 @@ struct Fp8Outputs {
 };
 
 QuantMode quant_of(int64_t value, const char* op) {
-  TORCH_CHECK(value >= 1 && value <= 3, "tpfuse::", op,
+  // The FP8 ops' quant: any QuantMode but kNone (the bf16 ops are the ones without).
+  TORCH_CHECK(impl::is_known_value<QuantMode>(value) && QuantMode(value) != QuantMode::kNone,
+              "tpfuse::", op,
               ": quant must be 1 (static scale), 2 (per token) or 3 (per token group of 128), got ",
               value);
   return QuantMode(value);
@@ -496,7 +499,7 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm(
         TORCH_CHECK(k_weight.dim() == 1 && k_weight.size(0) == kv_size, "tpfuse::", op,
                     ": k_weight must be [kv_size = ", kv_size, "] (this rank's slice), got ",
                     k_weight.sizes());
-        TORCH_CHECK(rope_style >= 0 && rope_style <= 2, "tpfuse::", op,
+        TORCH_CHECK(impl::is_known_value<RopeStyle>(rope_style), "tpfuse::", op,
                     ": rope_style must be 0 (none), 1 (neox) or 2 (interleaved), got ", rope_style);
         q = at::empty({qkv.size(0), q_size}, qkv.options());
         k = at::empty({qkv.size(0), kv_size}, qkv.options());

@@ -377,5 +377,35 @@ class PassesFp8OnCuda(PassesFp8):
     make_team = base.PassesOnCuda.make_team
 
 
+class QuantConstants(unittest.TestCase):
+    """The FP8 constants the passes' patterns are written with (tpfuse.ops.QUANT_GROUP_SIZE and
+    QUANT_MIN_AMAX) are the library's kQuantGroupSize and kQuantMinAmax, read back through the op:
+    a per-group call's scales have a column per QUANT_GROUP_SIZE elements (and a hidden that is
+    no multiple of it is refused), and an all-zero row's scale is QUANT_MIN_AMAX / 448."""
+
+    def test_constants_are_the_librarys(self):
+        group, floor = tpfuse.ops.QUANT_GROUP_SIZE, tpfuse.ops.QUANT_MIN_AMAX
+        self.assertIs(passes.QUANT_GROUP_SIZE, group)
+        self.assertIs(passes.QUANT_MIN_AMAX, floor)
+        (team,) = tpfuse.cpu_team(1)
+        hidden = 3 * group
+        zeros = torch.zeros(2, hidden, dtype=torch.bfloat16)
+        weight = torch.ones(hidden, dtype=torch.bfloat16)
+        _, _, q, scales = tpfuse.allreduce_add_rmsnorm_fp8(
+            team, zeros, zeros.clone(), weight, 1e-6, tpfuse.Quant.PER_TOKEN_GROUP_128)
+        self.assertEqual(tuple(scales.shape), (2, hidden // group))
+        expected = torch.tensor(floor, dtype=torch.float32) / 448.0
+        self.assertTrue(torch.equal(scales, expected.expand(2, hidden // group)), scales)
+        self.assertTrue(torch.equal(q.float(), torch.zeros(2, hidden)))
+        _, _, _, scales = tpfuse.allreduce_add_rmsnorm_fp8(
+            team, zeros, zeros.clone(), weight, 1e-6, tpfuse.Quant.PER_TOKEN)
+        self.assertTrue(torch.equal(scales, expected.expand(2)), scales)
+        odd = torch.zeros(2, group + 8, dtype=torch.bfloat16)
+        with self.assertRaisesRegex(RuntimeError, f"multiple of {group}"):
+            tpfuse.allreduce_add_rmsnorm_fp8(
+                team, odd, odd.clone(), torch.ones(group + 8, dtype=torch.bfloat16), 1e-6,
+                tpfuse.Quant.PER_TOKEN_GROUP_128)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -647,6 +647,41 @@ class QkRope(unittest.TestCase):
             team.close()
 
 
+class EnumArguments(unittest.TestCase):
+    """The raw ops' enum arguments take exactly the library's enumerators: below the first, past
+    the last, and a valid value plus 2^32 (which a cast to the 32-bit enum would wrap onto it)
+    are refused, each naming the argument."""
+
+    def test_values_outside_each_enum_are_refused(self):
+        (team,) = tpfuse.cpu_team(1)
+        x = torch.randn(2, 128, dtype=torch.bfloat16)
+        weight = torch.ones(128, dtype=torch.bfloat16)
+        q_size, kv_size = 128, 64
+        qkv = torch.randn(2, q_size + 2 * kv_size, dtype=torch.bfloat16)
+        ops = torch.ops.tpfuse
+        calls = {
+            "algorithm": ((-1, 4, 2**32 + 1),
+                          lambda v: ops.allreduce_add_rmsnorm(team.handle, x, None, weight, 1e-6,
+                                                              v)),
+            "norm_weight": ((-1, 2, 2**32),
+                            lambda v: ops.allreduce_add_rmsnorm(team.handle, x, None, weight, 1e-6,
+                                                                0, v)),
+            "quant": ((-1, 0, 4, 2**32 + 2),
+                      lambda v: ops.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, v)),
+            "rope_style": ((-1, 3, 2**32 + 1),
+                           lambda v: ops.allreduce_qk_rmsnorm(
+                               team.handle, qkv, torch.ones(q_size, dtype=torch.bfloat16),
+                               torch.ones(kv_size, dtype=torch.bfloat16), q_size, kv_size, q_size,
+                               kv_size, 1, 1e-6, None, None, 64, 64, v)),
+        }
+        for name, (values, call) in calls.items():
+            for value in values:
+                with self.subTest(name=name, value=value):
+                    with self.assertRaisesRegex(RuntimeError, f"{name} must be .*, got {value}"):
+                        call(value)
+        team.close()
+
+
 class Compile(unittest.TestCase):
     """A team of one rank runs alone, so the ops can be checked and compiled without threads."""
 
