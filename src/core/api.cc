@@ -334,8 +334,7 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
   TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(call.sums) % 8 == 0, op, "sums must be 8-byte aligned");
   const BackendOps& ops = require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);
-  if (backend == Backend::kCpu && pass == QkPass::kNormFromSums)
-    validate_positions_on_host(args, op);
+  if (pass == QkPass::kNormFromSums) ops.validate_positions(args, op);
   if (args.tokens == 0) return;
   ops.qk_local(call, args.dtype, pass, stream);
 }
@@ -386,7 +385,7 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
     impl::validate_qk_args(args, op);
     algorithm = impl::choose_qk_algorithm(state, args, op);
     impl::validate_qk_rmsnorm(state, args, algorithm, op);
-    if (state.ops->kind() == Backend::kCpu) impl::validate_positions_on_host(args, op);
+    state.ops->validate_positions(args, op);
     state.ops->validate_call(&state,
                              {{"qkv", args.qkv},
                               {"q_out", args.q_out},

@@ -29,6 +29,9 @@ class BackendOps {
   // local call). Throws naming the argument.
   virtual void validate_call(const TeamState* team, std::initializer_list<NamedPointer> pointers,
                              cudaStream_t stream, const char* op) const = 0;
+  // The QK norm's positions where the backend can read them before any work (the CPU's are host
+  // memory); the GPU's kernels bound them instead (that token NaN, the call reported).
+  virtual void validate_positions(const QkNormArgs&, const char*) const {}
 
   // Row calls: the two fused algorithms, the NCCL path (the all-reduce engine, then the local
   // epilogue; on the CPU a stand-in with the same rounding), and the local epilogue alone.

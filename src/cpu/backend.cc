@@ -4,6 +4,7 @@
 
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/validate.h"
 #include "cpu/kernels.h"
 
 namespace tpfuse::impl {
@@ -30,6 +31,9 @@ class CpuBackend final : public BackendOps {
     TPF_CHECK_ARG(
         stream == nullptr, op,
         "stream must be null for " << (team != nullptr ? "a CPU-backend team" : "the CPU backend"));
+  }
+  void validate_positions(const QkNormArgs& args, const char* op) const override {
+    validate_positions_on_host(args, op);
   }
 
   void oneshot(const TeamState& team, const RowCall& call, DType dtype,
