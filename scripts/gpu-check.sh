@@ -10,6 +10,7 @@
 # the end-to-end decode benchmark (bench/e2e/decode.py; E2E_ARGS narrows it, E2E_ARGS=--fp8 ... runs
 # its FP8 model). profile: Nsight
 # Compute on the QK-norm kernels of a one-GPU run (PROFILE_TOKENS, PROFILE_SKIP, PROFILE_LAUNCHES).
+# transformers: HF transformers' own models under their own TP, decode step eager / compiled / with the passes (bench/e2e/transformers_decode.py; TRANSFORMERS_ARGS narrows it).
 #
 # GoogleTest comes from the system, or from .deps/googletest (scripts/fetch-deps.sh copies it
 # there for machines without it). NCCL: torch's nvidia/nccl if present (the NCCL the baselines
@@ -281,6 +282,17 @@ if [[ " $STEPS " == *" e2e "* ]]; then
   # decode.py never overwrites either: the file is the one its "wrote" line names.
   e2e_json=$(sed -n 's/^wrote //p' "$OUT/e2e.log" | tail -1)
   python3 bench/e2e/plot.py "${e2e_json:-$OUT/e2e.json}" >/dev/null 2>&1 || echo "e2e plot failed"
+fi
+if [[ " $STEPS " == *" transformers "* ]]; then
+  step transformers
+  wait_ab_base
+  # transformers' Llama, Qwen3 and MiniMax-M2 under their own tensor-parallel plans, one process
+  # per GPU: the decode step eager, compiled, and compiled with tpfuse's passes (every site of
+  # the decode graph must be rewritten). TRANSFORMERS_ARGS narrows it (models, batches, shapes).
+  export PYTHONPATH=$PWD/python TPFUSE_TORCH_LIBRARY=$PWD/$BUILD/python/libtpfuse_torch.so
+  TPFUSE_BENCH_COMMIT=${TPFUSE_BENCH_COMMIT:-unknown} timeout ${TRANSFORMERS_TIMEOUT:-540} \
+    python3 bench/e2e/transformers_decode.py --out "$OUT/transformers.json" ${TRANSFORMERS_ARGS:-} \
+    2>&1 | tee "$OUT/transformers.log" | grep -v -i warn | tail -30 || status=1
 fi
 if [[ " $STEPS " == *" cpu "* ]]; then
   step cpu
