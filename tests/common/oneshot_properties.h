@@ -772,8 +772,9 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
 // groups among them, widths whose 16-bit rows take two vectors a thread on the GPU among them,
 // tokens not a multiple of 4), residual or not, both weights, in place or
 // not; static scales small enough to saturate some elements (0.004: norms past 1.8), and every
-// fifth case a token of zeros on every rank (the dynamic scales' floor, zero bytes). Every check
-// of expect_correct and expect_quant_correct, and norm_out the same bits as without FP8.
+// fifth case a token of zeros on every rank (the dynamic scales' floor, zero bytes), every
+// seventh a NaN in one rank's input. Every check of expect_correct and expect_quant_correct, and
+// norm_out the same bits as without FP8.
 inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
   std::mt19937_64 rng(seed);
   OneShotRunner runner(harness);
@@ -806,8 +807,19 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
         }
       }
     }
+    if (c % 7 == 6) {
+      // A NaN in one rank's input: its token's row is NaN in every output on every rank, the
+      // scale of a NaN row is taken over its numbers (none: the floor), its bytes E4M3's NaN.
+      data.inputs[0].set(size_t(spec.hidden / 2), std::nan(""));
+    }
     const CaseResult result = runner.run(spec, data);
     expect_correct(spec, data, result);
+    if (c % 7 == 6) {
+      for (size_t r = 0; r < result.norm_out.size(); ++r) {
+        EXPECT_TRUE(std::isnan(result.norm_out[r].get(0))) << describe(spec) << " rank " << r;
+        EXPECT_EQ(result.quant_out[r][0] & 0x7f, 0x7f) << describe(spec) << " rank " << r;
+      }
+    }
     // norm_out is the call's without the FP8 output, bit for bit (a kernel's FP8 form may hold a
     // row in other threads: not in another order of the sum of squares).
     CaseSpec plain = spec;
