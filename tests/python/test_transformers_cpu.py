@@ -56,30 +56,17 @@ def _config(name):
 
 
 def _tensor_parallel(name, cls, config, world):
-    """The model built from its config (the same seed on every rank, norm weights not all ones),
-    then sharded by transformers' own plan."""
-    from transformers.distributed import DistributedConfig
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    """The model sharded by transformers' own plan on a mesh of `world` CPU ranks, built as the
+    decode benchmark builds it (bench/e2e/transformers_decode.py)."""
     from transformers.distributed.utils import initialize_tensor_parallelism
 
-    torch.manual_seed(1234)
-    model = cls(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for parameter_name, parameter in model.named_parameters():
-            if "norm" in parameter_name:
-                parameter.copy_(1 + 0.1 * torch.randn_like(parameter, dtype=torch.float32))
-    model.eval()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "bench", "e2e"))
+    import transformers_decode
+
     _, mesh = initialize_tensor_parallelism("auto", tp_size=world)
-    plan = "auto"
-    if name == "qwen3":
-        plan = {f"model.{k}": v for k, v in config.base_model_tp_plan.items()
-                if "q_norm" not in k and "k_norm" not in k}
-        plan.update(cls._tp_plan or {})
-        model.tp_plan = plan
-    model.config.distributed_config = DistributedConfig(tp_size=world, tp_plan=plan)
-    model._device_mesh = mesh
-    model._tp_size = world
-    return apply_tensor_parallelism(model, mesh).eval(), mesh
+    model = transformers_decode.tensor_parallel(name, cls, config, mesh, torch.device("cpu"))
+    return model, mesh
 
 
 def _check_model(name, team, rank, world):
