@@ -519,6 +519,30 @@ class RanksThatGoWrong(unittest.TestCase):
         )
         self.assertIn("each rank needs its own thread", result.stdout, result.stderr)
 
+    def test_from_group_names_what_is_missing(self):
+        # In a fresh interpreter: torch.distributed not yet initialized, then a group of a backend
+        # that is neither NCCL nor gloo (torch's fake one), both told before anything is made.
+        child = (
+            "import torch, torch.distributed as dist, tpfuse\n"
+            "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+            "try:\n"
+            "    tpfuse.Team.from_group()\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n"
+            "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)\n"
+            "try:\n"
+            "    tpfuse.Team.from_group()\n"
+            "except ValueError as error:\n"
+            "    print(error)\n"
+            "dist.destroy_process_group()\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, text=True, timeout=300
+        )
+        self.assertIn("torch.distributed is not initialized", result.stdout, result.stderr)
+        self.assertIn("the group's backend is 'fake'; pass backend='cuda' or backend='cpu'",
+                      result.stdout, result.stderr)
+
 
 class QkRmsNorm(unittest.TestCase):
     def test_matches_float64_across_ranks(self):
