@@ -383,6 +383,43 @@ TEST(ProcessTeam, RanksGivenDifferentArgumentsAreTold) {
   }
 }
 
+// A rank 0 killed while its team is being made leaves the segment's name behind (nothing ran
+// its cleanup); the next id made on the host removes the names whose creator has exited.
+TEST(ProcessTeam, ANameLeftByAKilledCreatorIsRemovedByTheNextId) {
+  auto* shared = static_cast<CpuTeamId*>(::mmap(nullptr, sizeof(CpuTeamId), PROT_READ | PROT_WRITE,
+                                                MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(shared, MAP_FAILED);
+  std::memset(shared, 0, sizeof(CpuTeamId));
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    *shared = create_cpu_team_id();  // named after this process
+    try {
+      create_cpu_team(*shared, 0, 2, small_options(60.0));  // waits for a rank 1 that never comes
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!(shared->bytes[0] != 0 && segment_listed(*shared)) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  const bool created = segment_listed(*shared);
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  const CpuTeamId left = *shared;
+  ::munmap(shared, sizeof(CpuTeamId));
+  ASSERT_TRUE(created) << "rank 0 never created its segment";
+  EXPECT_TRUE(segment_listed(left))
+      << "the killed creator's name is expected to stay until a sweep";
+  create_cpu_team_id();
+  EXPECT_FALSE(segment_listed(left)) << "the next id did not remove the dead creator's name";
+}
+
 TEST(ProcessTeam, WaitingForAMissingRankZeroEnds) {
   const CpuTeamId id = create_cpu_team_id();
   try {
