@@ -93,6 +93,14 @@ def _check_model(name, team, rank, world):
     assert graph["after"].count("tpfuse.allreduce_add_rmsnorm.default") == sites, name
     # The fused op rounds once where the unfused model rounds twice: a few bf16 steps.
     torch.testing.assert_close(got.float(), eager.float(), atol=5e-2, rtol=5e-2, msg=name)
+    # Every rank's compiled logits are the same bits (as int32: gloo gathers no int16).
+    import torch.distributed as dist
+
+    bits = got.contiguous().view(torch.int16).to(torch.int32)
+    gathered = [torch.empty_like(bits) for _ in range(world)]
+    dist.all_gather(gathered, bits, group=mesh.get_group())
+    for other, theirs in enumerate(gathered):
+        assert torch.equal(theirs, gathered[0]), f"{name}: rank {other}'s logits differ from rank 0's"
 
 
 def _rank_main(rank, world, store_path, failures):
