@@ -421,6 +421,13 @@ class MoeFinalize(unittest.TestCase):
         team.close()
 
 
+def run_in_fresh_interpreter(code):
+    """`code` run by a new Python process (its stdout and stderr captured): a state this one
+    cannot have, such as one thread only or torch.distributed never initialized."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+
+
 class RanksThatGoWrong(unittest.TestCase):
     """A rank that rejects its call (in torch's checks, tpfuse's, or Python's) still takes its
     turn: its peers' call ends at once with an error naming it, and the team goes on. Ranks that
@@ -514,9 +521,7 @@ class RanksThatGoWrong(unittest.TestCase):
             "except RuntimeError as error:\n"
             "    print(error)\n"
         )
-        result = subprocess.run(
-            [sys.executable, "-c", child], capture_output=True, text=True, timeout=300
-        )
+        result = run_in_fresh_interpreter(child)
         self.assertIn("each rank needs its own thread", result.stdout, result.stderr)
 
     def test_from_group_names_what_is_missing(self):
@@ -536,9 +541,7 @@ class RanksThatGoWrong(unittest.TestCase):
             "    print(error)\n"
             "dist.destroy_process_group()\n"
         )
-        result = subprocess.run(
-            [sys.executable, "-c", child], capture_output=True, text=True, timeout=300
-        )
+        result = run_in_fresh_interpreter(child)
         self.assertIn("torch.distributed is not initialized", result.stdout, result.stderr)
         self.assertIn("the group's backend is 'fake'; pass backend='cuda' or backend='cpu'",
                       result.stdout, result.stderr)
