@@ -254,8 +254,14 @@ class CpuProcessesBench(unittest.TestCase):
         for record in records:
             self.assertGreater(record["us"], 0.0)
             self.assertGreaterEqual(record["us_max_rank"], record["us"])
-            # Two roundings (gloo's sum, then the add) where tpfuse rounds once: a few bf16 steps.
-            self.assertLess(record["max_abs_diff"], 0.1, record)
+            self.assertGreaterEqual(record["minor_faults"], 0.0)
+            if record["impl"] == "tpfuse_":
+                # The in-place op's first call, on copies of the same operands: the same bits.
+                self.assertEqual(record["max_abs_diff"], 0.0, record)
+            else:
+                # Two roundings (gloo's sum, then the add) where tpfuse rounds once: a few bf16
+                # steps.
+                self.assertLess(record["max_abs_diff"], 0.1, record)
 
 
 class MultiProcessCpu(unittest.TestCase):
