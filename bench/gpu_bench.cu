@@ -411,20 +411,26 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
       // bf16 fused op above.
       for (const QuantMode mode : kBenchQuantModes) {
         if (mode == QuantMode::kPerTokenGroup128 && hidden % kQuantGroupSize != 0) continue;
-        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-          args.quant = mode;
-          args.quant_out = set.quant_out;
-          if (mode == QuantMode::kStatic) {
-            args.quant_scale = gpu.static_scale();
-          } else {
-            args.scales_out = set.scales;
-          }
-          allreduce_add_rmsnorm(team, args, stream);
-        });
-        team.check();
-        add(fp8_op_name(mode), "tpfuse_auto", hidden, tokens, world_size, us, true);
-        records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
+        // keep_norm false: the FP8 output alone (norm_out null, no bf16 norm written), as for a
+        // norm only an FP8 GEMM reads.
+        for (const bool keep_norm : {true, false}) {
+          us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+            AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+            if (!keep_norm) args.norm_out = nullptr;
+            args.quant = mode;
+            args.quant_out = set.quant_out;
+            if (mode == QuantMode::kStatic) {
+              args.quant_scale = gpu.static_scale();
+            } else {
+              args.scales_out = set.scales;
+            }
+            allreduce_add_rmsnorm(team, args, stream);
+          });
+          team.check();
+          add(fp8_op_name(mode), keep_norm ? "tpfuse_auto" : "tpfuse_auto_no_norm", hidden, tokens,
+              world_size, us, true);
+          records.back().chosen = algorithm_name(team.choose(tokens, hidden, dtype));
+        }
 
         // As an unfused model gets it: the bf16 fused op, then a quantization kernel of its own.
         us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {

@@ -267,7 +267,9 @@ struct AddRmsNormArgs {
   const void* residual = nullptr;  // [tokens, hidden] or nullptr: no residual
   const void* gamma = nullptr;     // [hidden]
   void* residual_out = nullptr;    // [tokens, hidden]; required with a residual, optional without
-  void* norm_out = nullptr;        // [tokens, hidden] (also with an FP8 output: the router's copy)
+  // [tokens, hidden]; with an FP8 output it is optional: given, it also receives the norm (the
+  // router's bf16 copy); null, quant_out is the norm's only output and no bf16 norm is written.
+  void* norm_out = nullptr;
   // FP8 output (QuantMode above): quant_out [tokens, hidden] bytes, 16-byte aligned;
   // quant_scale: kStatic's scale (one fp32, this rank's device memory on CUDA); scales_out:
   // kPerToken's [tokens] or kPerTokenGroup128's [tokens, hidden / 128] fp32.

@@ -136,15 +136,19 @@ def allreduce_add_rmsnorm_fp8(
     algorithm: Union[str, int] = "auto",
     norm_weight: int = NormWeight.GAMMA,
     column_major_scales: bool = False,
+    keep_norm: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(norm_out, residual_out, quant_out, scales): allreduce_add_rmsnorm's outputs and the
     norm's FP8 output (quant_out float8_e4m3fn [tokens, hidden]; scales float32, see Quant;
     empty for STATIC; PER_TOKEN_GROUP_128's [tokens, hidden / 128] column-major with
-    column_major_scales, as CUTLASS's and DeepGEMM's blockwise FP8 GEMMs read them)."""
+    column_major_scales, as CUTLASS's and DeepGEMM's blockwise FP8 GEMMs read them). With
+    keep_norm=False no bf16 norm is written (norm_out is [0, hidden]): for a norm whose only
+    reader is the FP8 GEMM; the other outputs keep their bits."""
     handle = _handle(team, "allreduce_add_rmsnorm_fp8")
     return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(
         handle, input, residual, weight, eps, _quant(quant, handle), scale,
         bool(column_major_scales), _algorithm(algorithm, handle), int(norm_weight),
+        bool(keep_norm),
     )
 
 
@@ -159,9 +163,11 @@ def allreduce_add_rmsnorm_fp8_(
     algorithm: Union[str, int] = "auto",
     norm_weight: int = NormWeight.GAMMA,
     column_major_scales: bool = False,
+    keep_norm: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """In place as allreduce_add_rmsnorm_ (residual <- sum + residual, input <- norm, which a
-    MoE router reads), and the norm's FP8 output for the experts: (quant_out, scales)."""
+    MoE router reads), and the norm's FP8 output for the experts: (quant_out, scales). With
+    keep_norm=False input is left as it was (no bf16 norm is written)."""
     handle = _handle(team, "allreduce_add_rmsnorm_fp8_")
     if not isinstance(residual, torch.Tensor):
         _reject(handle)
@@ -170,6 +176,7 @@ def allreduce_add_rmsnorm_fp8_(
     return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_(
         handle, input, residual, weight, eps, _quant(quant, handle), scale,
         bool(column_major_scales), _algorithm(algorithm, handle), int(norm_weight),
+        bool(keep_norm),
     )
 
 
@@ -185,23 +192,28 @@ def allreduce_moe_finalize_add_rmsnorm(
     scale: Optional[torch.Tensor] = None,
     algorithm: Union[str, int] = "auto",
     column_major_scales: bool = False,
+    keep_norm: bool = True,
 ) -> Tuple[torch.Tensor, ...]:
     """The MoE finalize fused in: this rank's contribution to the all-reduce is
     sum_j routing_weights[t, j] * expert_rows[t, j] (+ shared_expert[t]), in fp32 with j in order,
     rounded once to the rows' dtype; then as allreduce_add_rmsnorm. expert_rows
     [tokens, topk, hidden] (topk <= 16), routing_weights [tokens, topk] float32 or the rows'
     dtype, residual [tokens, hidden]. Returns (norm_out, residual_out), and with `quant` (see
-    allreduce_add_rmsnorm_fp8) also (quant_out, scales)."""
+    allreduce_add_rmsnorm_fp8, keep_norm too) also (quant_out, scales)."""
     name = "allreduce_moe_finalize_add_rmsnorm"
     handle = _handle(team, name)
     if quant is None:
+        if not keep_norm:
+            _reject(handle)
+            raise ValueError(f"tpfuse.{name}: keep_norm=False needs quant (the FP8 output would "
+                             "be the norm's only output)")
         return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm(
             handle, expert_rows, routing_weights, residual, weight, eps, shared_expert,
             _algorithm(algorithm, handle),
         )
     return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8(
         handle, expert_rows, routing_weights, residual, weight, eps, _quant(quant, handle), scale,
-        bool(column_major_scales), shared_expert, _algorithm(algorithm, handle),
+        bool(column_major_scales), shared_expert, _algorithm(algorithm, handle), bool(keep_norm),
     )
 
 

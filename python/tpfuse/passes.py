@@ -139,6 +139,29 @@ def _trace(fn: Callable, args: Sequence[Any]) -> torch.fx.GraphModule:
     return graph_module
 
 
+def _specific_pattern(fn: Callable, values: Sequence[Any], argnames: Sequence[str]):
+    """What register_replacement checks a match against: `fn` traced again at the match's own
+    values, with no constant ignored. Under dynamic shapes the trace computes sizes from its
+    inputs (aten.sym_size) where the graph takes them from wherever it has them (a SymInt graph
+    input, say): each size becomes an argument of its own, so that it matches any node, and the
+    same node wherever it is used (as register_replacement does with its symbolic arguments)."""
+    with torch._dynamo.utils.detect_fake_mode(values):
+        traced = _trace(fn, values)
+    graph = traced.graph
+    names = list(argnames)
+    last_placeholder = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt):
+            with graph.inserting_after(last_placeholder):
+                size = graph.placeholder(f"_size{len(names)}")
+            last_placeholder = size
+            node.replace_all_uses_with(size)
+            names.append(size.name)
+    graph.eliminate_dead_code()
+    traced.recompile()
+    return fx_to_pattern(traced, argnames=names)
+
+
 def _fake_inputs(*specs) -> list:
     """Example inputs for tracing: fake tensors, so no collective runs while registering."""
     with FakeTensorMode():
@@ -554,8 +577,7 @@ class QkNormRope(FusedPattern):
             return None
         # What register_replacement does for its patterns: the pattern again at these sizes,
         # with no constant ignored.
-        with torch._dynamo.utils.detect_fake_mode(values):
-            specific = fx_to_pattern(_trace(self.pattern(head_dim), values), argnames=self.argnames)
+        specific = _specific_pattern(self.pattern(head_dim), values, self.argnames)
         if not is_match(specific.match(match.output_nodes()[0])):
             return None
         return op, head_dim, rotary_dim, q_node.args[1] == 1
@@ -689,8 +711,7 @@ class NormQuantFp8(FusedPattern):
                 return None
         # What register_replacement does for its patterns: the pattern again at these sizes,
         # with no constant ignored.
-        with torch._dynamo.utils.detect_fake_mode(values):
-            specific = fx_to_pattern(_trace(self.quantize, values), argnames=self.argnames)
+        specific = _specific_pattern(self.quantize, values, self.argnames)
         if not is_match(specific.match(match.output_nodes()[0])):
             return None
         return op
@@ -698,12 +719,20 @@ class NormQuantFp8(FusedPattern):
     def check(self, match):
         return self.fits(match) is not None
 
-    def rewrite(self, match: Match, *args, **kwargs) -> None:
-        op = self.fits(match)
-        target = _FP8_FORM[op.target]
-        # The op's own arguments by name, and the FP8 output's, in the FP8 form's order.
-        values = dict(op_arguments(op), quant=self.quant, column_major_scales=False,
-                      scale=kwargs["scale"] if self.mode == "static" else None)
+    @staticmethod
+    def _unread_views_erased(node: torch.fx.Node) -> bool:
+        """Erases `node` and the views below it where nothing else reads them; whether it went."""
+        for user in list(node.users):
+            if user.target in _VIEWS:
+                NormQuantFp8._unread_views_erased(user)
+        if node.users:
+            return False
+        node.graph.erase_node(node)
+        return True
+
+    @staticmethod
+    def _retarget(op: torch.fx.Node, target, values: Dict[str, Any]) -> None:
+        """`op` calls `target` with `values` by name (the schema's defaults elsewhere)."""
         new_args = tuple(values[a.name] if a.name in values else a.default_value
                          for a in target._schema.arguments)
         with torch._dynamo.utils.detect_fake_mode([op.meta["val"][0]]):
@@ -713,6 +742,18 @@ class NormQuantFp8(FusedPattern):
         op.meta["val"] = value
         if "eager_input_vals" in op.meta:  # what Inductor holds the op's layouts to
             op.meta["eager_input_vals"] = (tuple(fake), {})
+        for user in op.users:
+            if user.target is operator.getitem:
+                user.meta["val"] = value[user.args[1]]
+
+    def rewrite(self, match: Match, *args, **kwargs) -> None:
+        op = self.fits(match)
+        target = _FP8_FORM[op.target]
+        # The op's own arguments by name, and the FP8 output's, in the FP8 form's order.
+        values = dict(op_arguments(op), quant=self.quant, column_major_scales=False,
+                      scale=kwargs["scale"] if self.mode == "static" else None)
+        self._retarget(op, target, values)
+        value = op.meta["val"]
         graph = op.graph
         outputs = []
         with graph.inserting_after(op):
@@ -734,6 +775,13 @@ class NormQuantFp8(FusedPattern):
         for item in outputs:
             if not item.users:
                 graph.erase_node(item)
+        # The bf16 norm (the op's first output) stays where something besides the quantization
+        # reads it (a MoE router, say, or a size taken from it under dynamic shapes); otherwise
+        # the op writes the FP8 output alone (keep_norm=False: no bf16 norm written).
+        norms = [user for user in op.users
+                 if user.target is operator.getitem and user.args[1] == 0]
+        if all([self._unread_views_erased(norm) for norm in norms]):
+            self._retarget(op, target, dict(values, keep_norm=False))
         self.fusion.stats[self.stat] += 1
 
 

@@ -192,7 +192,9 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
   // With no rows the row tensors may be empty (null: torch's data_ptr of an empty tensor).
   const bool rows = args.tokens > 0;
   TPF_CHECK_ARG(args.input != nullptr || epilogue.moe || !rows, op, "input is null");
-  TPF_CHECK_ARG(args.norm_out != nullptr || !rows, op,
+  // With an FP8 output the bf16 norm is optional (quant_out is then the norm's only copy).
+  const bool fp8_only = epilogue.norm && args.quant != QuantMode::kNone;
+  TPF_CHECK_ARG(args.norm_out != nullptr || fp8_only || !rows, op,
                 (epilogue.norm ? "norm_out" : "out") << " is null");
   if (epilogue.norm) {
     TPF_CHECK_ARG(args.gamma != nullptr, op, "gamma is null");
@@ -233,7 +235,7 @@ void validate_add_rmsnorm(const AddRmsNormArgs& args, const RowEpilogueKind& epi
     TPF_CHECK_ARG(out == nullptr || !epilogue.norm || disjoint(out, bytes, args.gamma, gamma_bytes),
                   op, out_name << " overlaps gamma (the norm's weight): outputs may not touch it");
   }
-  if (args.residual_out != nullptr) {
+  if (args.residual_out != nullptr && args.norm_out != nullptr) {
     TPF_CHECK_ARG(args.residual_out == args.norm_out ||
                       same_or_disjoint(args.residual_out, args.norm_out, bytes),
                   op, "residual_out partially overlaps norm_out");

@@ -406,7 +406,7 @@ class RowFinisher {
         Word* const out = Epilogue::kHasQuant ? normalized_ : row_of(p_.norm_out, tokens_[r]);
         loops_.normalize_row(rounded_ + size_t(r) * size_t(words_), weight_, scale, words_, out);
         if constexpr (Epilogue::kHasQuant) {
-          std::memcpy(row_of(p_.norm_out, tokens_[r]), out, row_bytes_);
+          if (p_.norm_out != nullptr) std::memcpy(row_of(p_.norm_out, tokens_[r]), out, row_bytes_);
           quantize_row<T>(loops_, out, p_, tokens_[r]);
         }
       }

@@ -38,6 +38,27 @@ const NcclSupport& nccl_of(const TeamState& team, const char* op) {
   return *nccl_support();
 }
 
+// Device memory for one call, in the stream's order: freed on the stream when the call's work
+// is queued (or when queuing it throws).
+class StreamScratch {
+ public:
+  StreamScratch() = default;
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  ~StreamScratch() {
+    if (pointer_ != nullptr) cudaFreeAsync(pointer_, stream_);  // nothing to report it to
+  }
+  void* allocate(size_t bytes, cudaStream_t stream) {
+    TPF_CHECK_CUDA(cudaMallocAsync(&pointer_, bytes, stream));
+    stream_ = stream;
+    return pointer_;
+  }
+
+ private:
+  void* pointer_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
 class CudaBackend final : public BackendOps {
  public:
   Backend kind() const override { return Backend::kCuda; }
@@ -95,8 +116,16 @@ class CudaBackend final : public BackendOps {
     }
     // The sum lands in an output that is not the residual (outputs coincide with an input or are
     // disjoint from it, and residual_out != norm_out), then the local epilogue reads it from
-    // there: each thread reads its vectors of a row before it writes them.
-    void* sum = call.norm_out != call.residual ? call.norm_out : call.residual_out;
+    // there: each thread reads its vectors of a row before it writes them. An FP8 call without
+    // the bf16 norm whose residual_out is the residual has no such output: its sum goes to
+    // stream-ordered scratch (allocated within a CUDA graph when captured).
+    const auto apart_from_residual = [&](void* out) {
+      return out != nullptr && out != call.residual ? out : nullptr;
+    };
+    void* sum = apart_from_residual(call.norm_out);
+    if (sum == nullptr) sum = apart_from_residual(call.residual_out);
+    StreamScratch scratch;
+    if (sum == nullptr) sum = scratch.allocate(count * dtype_size(dtype), stream);
     RowEpilogueKind local_epilogue = epilogue;
     if (epilogue.moe) {
       // The MoE combine (a kernel of its own) is this rank's contribution, summed in place.

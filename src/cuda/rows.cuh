@@ -271,7 +271,10 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) {
         normalized[i] = Epilogue::template normalize<T>(acc[i], gamma[i], scale);
-        store_vector(p.norm_out, row + owned(i), normalized[i]);
+        // Only an FP8 call may leave the bf16 norm out (validate_add_rmsnorm).
+        if (!Epilogue::kHasQuant || p.norm_out != nullptr) {
+          store_vector(p.norm_out, row + owned(i), normalized[i]);
+        }
       }
     }
     if constexpr (Epilogue::kHasQuant) {

@@ -200,18 +200,22 @@ QuantMode quant_of(int64_t value, const char* op) {
 
 // The shapes of an FP8 call's outputs: quant_out as the input, the scales by mode (none for a
 // static scale).
-std::vector<int64_t> scales_shape(int64_t quant, const at::Tensor& input, const char* op) {
+// Symbolic sizes, so that the Meta kernels leave a dynamic token count symbolic (size() would
+// specialize the compiled graph to the count it was traced at).
+std::vector<c10::SymInt> scales_shape(int64_t quant, const at::Tensor& input, const char* op) {
   const QuantMode mode = quant_of(quant, op);
   TORCH_CHECK(input.dim() == 2, "tpfuse::", op, ": input must be [tokens, hidden], got ",
-              input.sizes());
-  if (mode == QuantMode::kPerToken) return {input.size(0)};
+              input.sym_sizes());
+  if (mode == QuantMode::kPerToken) return {input.sym_size(0)};
   if (mode == QuantMode::kPerTokenGroup128) {
-    TORCH_CHECK(input.size(1) % kQuantGroupSize == 0, "tpfuse::", op,
-                ": hidden must be a multiple of ", kQuantGroupSize,
-                " for quant 3 (per token group of 128), got ", input.size(1));
-    return {input.size(0), input.size(1) / kQuantGroupSize};
+    // The width is fixed in a compiled graph, and so is the group count: guard on it alone
+    // (size() would fix every size of the tensor).
+    const int64_t hidden = input.sym_size(1).guard_int(__FILE__, __LINE__);
+    TORCH_CHECK(hidden % kQuantGroupSize == 0, "tpfuse::", op, ": hidden must be a multiple of ",
+                kQuantGroupSize, " for quant 3 (per token group of 128), got ", hidden);
+    return {input.sym_size(0), c10::SymInt(hidden / kQuantGroupSize)};
   }
-  return {0};
+  return {c10::SymInt(0)};
 }
 
 // The scales an FP8 call writes, by mode (none for a static scale): [tokens], or [tokens,
@@ -221,10 +225,18 @@ at::Tensor empty_scales(int64_t quant, bool column_major, const at::Tensor& inpu
   TORCH_CHECK(!column_major || mode == QuantMode::kPerTokenGroup128, "tpfuse::", op,
               ": column_major_scales is a layout of quant 3 (per token group of 128), got quant ",
               quant);
-  const std::vector<int64_t> shape = scales_shape(quant, input, op);
+  const std::vector<c10::SymInt> shape = scales_shape(quant, input, op);
   const at::TensorOptions options = input.options().dtype(at::kFloat);
-  if (column_major) return at::empty({shape[1], shape[0]}, options).t();
-  return at::empty(shape, options);
+  if (column_major) return at::empty_symint({shape[1], shape[0]}, options).t();
+  return at::empty_symint(shape, options);
+}
+
+// The FP8 ops' norm_out: [tokens, hidden] like `like`, or [0, hidden] when the caller keeps only
+// the FP8 output (keep_norm false: the call writes no bf16 norm).
+at::Tensor norm_output(const at::Tensor& like, bool keep_norm) {
+  if (keep_norm) return at::empty_like(like);
+  return at::empty_symint({c10::SymInt(0), like.dim() == 2 ? like.sym_size(1) : c10::SymInt(0)},
+                          like.options());
 }
 
 Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bool column_major,
@@ -233,7 +245,7 @@ Fp8Outputs fp8_outputs(int64_t quant, const std::optional<at::Tensor>& scale, bo
   out.quant = quant;
   out.column_major = column_major;
   out.scale = scale ? &*scale : nullptr;
-  out.quant_out = at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn));
+  out.quant_out = at::empty_symint(input.sym_sizes(), input.options().dtype(at::kFloat8_e4m3fn));
   out.scales = empty_scales(quant, column_major, input, op);
   return out;
 }
@@ -334,7 +346,7 @@ void run_add_rmsnorm(
         args.residual = residual != nullptr ? residual->data_ptr() : nullptr;
         args.gamma = weight.data_ptr();
         args.residual_out = residual_out.data_ptr();
-        args.norm_out = norm_out.data_ptr();
+        args.norm_out = norm_out.defined() ? norm_out.data_ptr() : nullptr;
         args.tokens = input.size(0);
         args.hidden = input.size(1);
         args.dtype = dtype;
@@ -370,14 +382,14 @@ void run_add_rmsnorm(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8(
     int64_t team_handle, const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, double eps, int64_t quant, const std::optional<at::Tensor>& scale,
-    bool column_major_scales, int64_t algorithm, int64_t norm_weight) {
+    bool column_major_scales, int64_t algorithm, int64_t norm_weight, bool keep_norm) {
   const char* op = "allreduce_add_rmsnorm_fp8";
   const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, input, op);
-  at::Tensor norm_out = at::empty_like(input);
+  at::Tensor norm_out = norm_output(input, keep_norm);
   at::Tensor residual_out = at::empty_like(input);
   run_add_rmsnorm(
       team_handle, input, residual ? &*residual : nullptr, weight, eps, algorithm, norm_weight,
-      norm_out, residual_out, op, [] {}, &fp8);
+      keep_norm ? norm_out : at::Tensor(), residual_out, op, [] {}, &fp8);
   return {norm_out, residual_out, fp8.quant_out, fp8.scales};
 }
 
@@ -402,28 +414,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_moe_finaliz
     int64_t team_handle, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
     const at::Tensor& residual, const at::Tensor& weight, double eps, int64_t quant,
     const std::optional<at::Tensor>& scale, bool column_major_scales,
-    const std::optional<at::Tensor>& shared_expert, int64_t algorithm) {
+    const std::optional<at::Tensor>& shared_expert, int64_t algorithm, bool keep_norm) {
   const char* op = "allreduce_moe_finalize_add_rmsnorm_fp8";
   const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, residual, op);
-  at::Tensor norm_out = at::empty_like(residual);
+  at::Tensor norm_out = norm_output(residual, keep_norm);
   at::Tensor residual_out = at::empty_like(residual);
   const MoeInputs moe{expert_rows, routing_weights, shared_expert ? &*shared_expert : nullptr};
   run_add_rmsnorm(
-      team_handle, residual, &residual, weight, eps, algorithm, 0, norm_out, residual_out, op,
-      [] {}, &fp8, &moe);
+      team_handle, residual, &residual, weight, eps, algorithm, 0,
+      keep_norm ? norm_out : at::Tensor(), residual_out, op, [] {}, &fp8, &moe);
   return {norm_out, residual_out, fp8.quant_out, fp8.scales};
 }
 
 // In place as allreduce_add_rmsnorm_ (input <- norm, residual <- sum + residual), and the
-// norm's FP8 output: (quant_out, scales).
+// norm's FP8 output: (quant_out, scales). With keep_norm false input is left as it was.
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_(
     int64_t team_handle, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
     double eps, int64_t quant, const std::optional<at::Tensor>& scale, bool column_major_scales,
-    int64_t algorithm, int64_t norm_weight) {
+    int64_t algorithm, int64_t norm_weight, bool keep_norm) {
   const char* op = "allreduce_add_rmsnorm_fp8_";
   const Fp8Outputs fp8 = fp8_outputs(quant, scale, column_major_scales, input, op);
   run_add_rmsnorm(
-      team_handle, input, &residual, weight, eps, algorithm, norm_weight, input, residual, op,
+      team_handle, input, &residual, weight, eps, algorithm, norm_weight,
+      keep_norm ? input : at::Tensor(), residual, op,
       [&] { check_in_place(input, residual, weight, op); }, &fp8);
   return {fp8.quant_out, fp8.scales};
 }
@@ -583,27 +596,27 @@ void allreduce_add_rmsnorm__meta(int64_t, at::Tensor& input, at::Tensor& residua
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_meta(
     int64_t, const at::Tensor& input, const std::optional<at::Tensor>& residual,
     const at::Tensor& weight, double, int64_t quant, const std::optional<at::Tensor>& scale,
-    bool column_major_scales, int64_t, int64_t) {
+    bool column_major_scales, int64_t, int64_t, bool keep_norm) {
   const char* op = "allreduce_add_rmsnorm_fp8";
   check_meta(op, {{"input", &input},
                   {"residual", optional_of(residual)},
                   {"weight", &weight},
                   {"scale", optional_of(scale)}});
-  return {at::empty_like(input), at::empty_like(input),
-          at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
+  return {norm_output(input, keep_norm), at::empty_like(input),
+          at::empty_symint(input.sym_sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
           empty_scales(quant, column_major_scales, input, op)};
 }
 
 std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8__meta(
     int64_t, at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double,
     int64_t quant, const std::optional<at::Tensor>& scale, bool column_major_scales, int64_t,
-    int64_t) {
+    int64_t, bool) {
   const char* op = "allreduce_add_rmsnorm_fp8_";
   check_meta(op, {{"input", &input},
                   {"residual", &residual},
                   {"weight", &weight},
                   {"scale", optional_of(scale)}});
-  return {at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
+  return {at::empty_symint(input.sym_sizes(), input.options().dtype(at::kFloat8_e4m3fn)),
           empty_scales(quant, column_major_scales, input, op)};
 }
 
@@ -624,7 +637,7 @@ allreduce_moe_finalize_add_rmsnorm_fp8_meta(
     int64_t, const at::Tensor& expert_rows, const at::Tensor& routing_weights,
     const at::Tensor& residual, const at::Tensor& weight, double, int64_t quant,
     const std::optional<at::Tensor>& scale, bool column_major_scales,
-    const std::optional<at::Tensor>& shared_expert, int64_t) {
+    const std::optional<at::Tensor>& shared_expert, int64_t, bool keep_norm) {
   const char* op = "allreduce_moe_finalize_add_rmsnorm_fp8";
   check_meta(op, {{"expert_rows", &expert_rows},
                   {"routing_weights", &routing_weights},
@@ -632,8 +645,8 @@ allreduce_moe_finalize_add_rmsnorm_fp8_meta(
                   {"weight", &weight},
                   {"scale", optional_of(scale)},
                   {"shared_expert", optional_of(shared_expert)}});
-  return {at::empty_like(residual), at::empty_like(residual),
-          at::empty(residual.sizes(), residual.options().dtype(at::kFloat8_e4m3fn)),
+  return {norm_output(residual, keep_norm), at::empty_like(residual),
+          at::empty_symint(residual.sym_sizes(), residual.options().dtype(at::kFloat8_e4m3fn)),
           empty_scales(quant, column_major_scales, residual, op)};
 }
 
@@ -651,8 +664,9 @@ std::tuple<at::Tensor, at::Tensor> allreduce_qk_rmsnorm_meta(
                                       {"k_weight", &k_weight},
                                       {"positions", optional_of(positions)},
                                       {"cos_sin_cache", optional_of(cos_sin_cache)}});
-  return {at::empty({qkv.size(0), q_size}, qkv.options()),
-          at::empty({qkv.size(0), kv_size}, qkv.options())};
+  // The token count symbolic (sym_size), so that a dynamic count stays dynamic.
+  return {at::empty_symint({qkv.sym_size(0), c10::SymInt(q_size)}, qkv.options()),
+          at::empty_symint({qkv.sym_size(0), c10::SymInt(kv_size)}, qkv.options())};
 }
 
 // --- team ops ---
@@ -759,12 +773,12 @@ TORCH_LIBRARY(tpfuse, m) {
   m.def(
       "allreduce_add_rmsnorm_fp8(int team, Tensor input, Tensor? residual, Tensor weight, "
       "float eps, int quant, Tensor? scale=None, bool column_major_scales=False, int algorithm=0, "
-      "int norm_weight=0) -> "
+      "int norm_weight=0, bool keep_norm=True) -> "
       "(Tensor norm_out, Tensor residual_out, Tensor quant_out, Tensor scales)");
   m.def(
       "allreduce_add_rmsnorm_fp8_(int team, Tensor(a!) input, Tensor(b!) residual, Tensor weight, "
       "float eps, int quant, Tensor? scale=None, bool column_major_scales=False, int algorithm=0, "
-      "int norm_weight=0) -> "
+      "int norm_weight=0, bool keep_norm=True) -> "
       "(Tensor quant_out, Tensor scales)");
   m.def(
       "allreduce_moe_finalize_add_rmsnorm(int team, Tensor expert_rows, Tensor routing_weights, "
@@ -774,7 +788,8 @@ TORCH_LIBRARY(tpfuse, m) {
       "allreduce_moe_finalize_add_rmsnorm_fp8(int team, Tensor expert_rows, "
       "Tensor routing_weights, Tensor residual, Tensor weight, float eps, int quant, "
       "Tensor? scale=None, bool column_major_scales=False, Tensor? shared_expert=None, "
-      "int algorithm=0) -> (Tensor norm_out, Tensor residual_out, Tensor quant_out, "
+      "int algorithm=0, bool keep_norm=True) -> (Tensor norm_out, Tensor residual_out, "
+      "Tensor quant_out, "
       "Tensor scales)");
   m.def("allreduce(int team, Tensor input, int algorithm=0) -> Tensor");
   m.def(

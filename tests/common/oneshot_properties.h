@@ -35,6 +35,7 @@ struct CaseSpec {
   Algorithm algorithm = Algorithm::kAuto;  // kAuto: the harness's algorithm
   NormWeight norm_weight = NormWeight::kGamma;
   QuantMode quant = QuantMode::kNone;  // an FP8 output of the norm too
+  bool norm_out = true;                // with an FP8 output: whether the bf16 norm is kept
   float static_scale = 0.01f;          // QuantMode::kStatic's scale
   bool scales_column_major = false;    // QuantMode::kPerTokenGroup128's layout
   int moe_topk = 0;                    // > 0: the MoE finalize (CaseData::moe_*) in place of input
@@ -66,7 +67,8 @@ inline std::string describe(const CaseSpec& spec) {
       << (spec.residual_out ? " residual_out" : "") << (spec.norm_in_place ? " norm_in_place" : "")
       << (spec.quant != QuantMode::kNone ? std::string(" quant=") + quant_mode_name(spec.quant)
                                          : "")
-      << (spec.residual_in_place ? " residual_in_place" : "");
+      << (spec.residual_in_place ? " residual_in_place" : "")
+      << (spec.norm_out ? "" : " no_norm_out");
   if (spec.moe_topk > 0) {
     out << " moe_topk=" << spec.moe_topk << (spec.moe_shared ? " shared" : "")
         << (spec.moe_weights_in_dtype ? " weights_in_dtype" : " weights_fp32");
@@ -297,7 +299,7 @@ class OneShotRunner {
     }
     args.residual = spec.residual ? b.residual : nullptr;
     args.gamma = b.gamma;
-    args.norm_out = spec.norm_in_place ? b.input : b.norm_out;
+    args.norm_out = !spec.norm_out ? nullptr : spec.norm_in_place ? b.input : b.norm_out;
     if (writes_residual_out(spec)) {
       args.residual_out = spec.residual_in_place ? b.residual : b.residual_out;
     }
@@ -768,6 +770,25 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
   }
 }
 
+// A call that left the bf16 norm out (`bare`, spec.norm_out false, norm not in place) against
+// the same call keeping it: the same bits in every other output, and nothing written where the
+// norm would have gone (its buffer still poisoned).
+inline void expect_same_bits_without_norm(const CaseSpec& bare, const CaseResult& with_norm,
+                                          const CaseResult& result) {
+  const HostTensor poison = poisoned(bare.dtype, size_t(bare.tokens * bare.hidden));
+  for (size_t r = 0; r < result.norm_out.size(); ++r) {
+    EXPECT_TRUE(result.norm_out[r].bytes == poison.bytes)
+        << describe(bare) << ": rank " << r << " wrote its norm_out buffer";
+    EXPECT_TRUE(result.residual_out[r].bytes == with_norm.residual_out[r].bytes)
+        << describe(bare) << ": residual_out of rank " << r << " differs from the call keeping "
+        << "the norm";
+  }
+  EXPECT_TRUE(result.quant_out == with_norm.quant_out)
+      << describe(bare) << ": quant_out differs from the call keeping the norm";
+  EXPECT_TRUE(result.scales == with_norm.scales)
+      << describe(bare) << ": the scales differ from the call keeping the norm";
+}
+
 // The FP8 output in each mode: random shapes (hidden a multiple of 128 with an odd number of
 // groups among them, widths whose 16-bit rows take two vectors a thread on the GPU among them,
 // tokens not a multiple of 4), residual or not, both weights, in place or
@@ -829,6 +850,13 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
       EXPECT_TRUE(result.norm_out[r].bytes == without.norm_out[r].bytes)
           << describe(spec) << ": rank " << r << "'s norm_out differs from the call without FP8";
     }
+    // The FP8 output alone (no bf16 norm): the same bits, nothing written to the norm's buffer.
+    // Its residual_out stays in place where the spec has it so (the NCCL path then sums into
+    // scratch of its own).
+    CaseSpec bare = spec;
+    bare.norm_out = false;
+    bare.norm_in_place = false;
+    expect_same_bits_without_norm(bare, result, runner.run(bare, data));
     if (::testing::Test::HasFailure()) return;
   }
 }
@@ -934,6 +962,12 @@ inline void check_moe_finalize(Harness& harness, uint64_t seed, int cases) {
     plain.moe_weights_in_dtype = false;
     expect_same_bits(spec, moe, runner.run(plain, data),
                      "the call with its contributions as input");
+    if (spec.quant != QuantMode::kNone) {
+      CaseSpec bare = spec;
+      bare.norm_out = false;
+      bare.norm_in_place = false;
+      expect_same_bits_without_norm(bare, moe, runner.run(bare, data));
+    }
     if (::testing::Test::HasFailure()) return;
   }
 }
@@ -987,6 +1021,18 @@ inline void check_graph_replays(Harness& harness, uint64_t seed) {
       expect_correct(spec, data[size_t(i)], replays[size_t(i)]);
     }
     expect_same_bits(spec, replays[0], runner.run(spec, data[0]), "the call made eagerly");
+    if (spec.quant != QuantMode::kNone) {
+      // The same capture without the bf16 norm (in place where the spec's residual is: the NCCL
+      // path's scratch is then allocated within the graph).
+      CaseSpec bare = spec;
+      bare.norm_out = false;
+      bare.norm_in_place = false;
+      const std::vector<CaseResult> bare_replays = runner.run_replays(bare, data);
+      for (int i = 0; i < kReplays; ++i) {
+        SCOPED_TRACE("replay " + std::to_string(i) + " without the norm");
+        expect_same_bits_without_norm(bare, replays[size_t(i)], bare_replays[size_t(i)]);
+      }
+    }
     if (::testing::Test::HasFailure()) return;
   }
 }

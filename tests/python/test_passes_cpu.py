@@ -378,6 +378,36 @@ class Passes(PassesInstalled):
 
         self.check_qk_rope(model, self.rope_inputs(5, q_size, kv_size, rotary_dim), 1)
 
+    def test_a_dynamic_token_count_keeps_every_site_fused(self):
+        # As engines compile a decode step, the token count symbolic (torch's automatic dynamic
+        # shapes: the first count compiles a static graph, the second one for any count, which
+        # the third reuses): the QK norm with its RoPE and the add + RMSNorm fused in both.
+        q_size, kv_size, head_dim, rotary_dim = 256, 128, 64, 32
+
+        def model(qkv, q_weight, k_weight, positions, cache, x, residual, weight):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k = qk_norm(q, k, q_weight, k_weight, 1e-6)
+            q, k = rope(positions, q, k, cache, head_dim, rotary_dim)
+            residual = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+            return q, k, v, hand_written_rms_norm(residual, weight, 1e-6), residual
+
+        torch._dynamo.reset()
+        for stat in self.fusion.stats:
+            self.fusion.stats[stat] = 0
+        self.fusion.graphs.clear()
+        compiled = torch.compile(model, fullgraph=True)
+        for tokens in (5, 9, 13):
+            args = self.on_device(self.rope_inputs(tokens, q_size, kv_size, rotary_dim)
+                                  + self.inputs(tokens=tokens, hidden=64))
+            self.check_close(compiled(*args), model(*args))
+        self.assertEqual(len(self.fusion.graphs), 2, "a static graph, then a dynamic one")
+        for graph in self.fusion.graphs:
+            self.assertEqual(graph["after"].count(ALL_REDUCE), 0, graph["after"])
+            self.assertEqual(graph["after"].count(FUSED), 1, graph["after"])
+            self.assertEqual(graph["after"].count("tpfuse.allreduce_qk_rmsnorm.default"), 1)
+            self.assertNotIn("aten.index.Tensor", graph["after"])  # the RoPE folded in
+        self.assertEqual(self.fusion.stats["allreduce_qk_rmsnorm_rope"], 2)
+
     def test_rope_on_a_normalized_q_used_elsewhere_is_left_alone(self):
         q_size, kv_size, head_dim, rotary_dim = 128, 64, 64, 32
 

@@ -94,7 +94,9 @@ class _OneRankPasses(base.PassesInstalled):
     def ops(self, which):
         return [op for g in self.fusion.graphs for op in g[which]]
 
-    def check_fused(self, stat, quant):
+    def check_fused(self, stat, quant, keep_norm):
+        """One site fused into the FP8 form, which writes the bf16 norm only where `keep_norm`
+        (something besides the quantization reads it)."""
         self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 1)
         self.assertEqual(self.fusion.stats[stat], 1)
         others = [s for s in self.fusion.stats if s.startswith("allreduce_add_rmsnorm_fp8")]
@@ -108,8 +110,9 @@ class _OneRankPasses(base.PassesInstalled):
         for op in QUANT_OPS:
             self.assertNotIn(op, after)
         calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
-        self.assertEqual([(c["op"], c["quant"], c["column_major_scales"]) for c in calls],
-                         [(FUSED_FP8, quant, False)])
+        self.assertEqual(
+            [(c["op"], c["quant"], c["column_major_scales"], c["keep_norm"]) for c in calls],
+            [(FUSED_FP8, quant, False, keep_norm)])
 
     def fused_norm(self, x, residual, weight, eps):
         """The norm output tpfuse's bf16 fused op gives for these inputs (one rank: x is the
@@ -161,7 +164,7 @@ class PassesFp8(_OneRankPasses):
 
                     args = self.inputs(tokens=6, lead=lead)
                     got, expected = self.compile_and_run(model, args)
-                    self.check_fused(stat, quant)
+                    self.check_fused(stat, quant, keep_norm=True)
                     base.Passes.check_close(self, got[:2], expected[:2])
                     s, es = (got[3], expected[3]) if mode != "static" else (None, None)
                     norm = self.fused_norm(*args[:3], 1e-6)
@@ -180,11 +183,42 @@ class PassesFp8(_OneRankPasses):
 
                     args = self.inputs(tokens=7, hidden=256)
                     got, expected = self.compile_and_run(model, args)
-                    self.check_fused(stat, quant)
+                    # Nothing reads the bf16 norm: the op writes the FP8 output alone.
+                    self.check_fused(stat, quant, keep_norm=False)
                     norm = self.fused_norm(args[0], args[1], args[2], 1e-5)
                     s, es = (got[2], expected[2]) if mode != "static" else (None, None)
                     self.check_quantized(mode, norm, got[1], s, expected[1], es, args[3])
                     base.Passes.check_close(self, got[:1], expected[:1])
+
+    def test_every_mode_with_a_dynamic_token_count(self):
+        # As engines compile a decode step: the token dim symbolic, the width fixed. torch's
+        # automatic dynamic shapes: the first count compiles a static graph, the second one graph
+        # for any count, which the third reuses; every graph fused, no bf16 norm written.
+        for mode, (quantize, stat, quant) in MODES.items():
+            with self.subTest(mode=mode):
+
+                def model(x, residual, weight, scale):
+                    h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD)
+                    n = base.hand_written_rms_norm(h, weight, 1e-5, True)
+                    return (h, *as_tuple(quantize(n, scale)))
+
+                torch._dynamo.reset()
+                self.fusion.graphs.clear()
+                compiled = torch.compile(model, fullgraph=True)
+                for tokens in (5, 9, 13):
+                    args = self.inputs(tokens=tokens, hidden=384)
+                    got = compiled(*[a.clone() for a in args])
+                    expected = model(*[a.clone() for a in args])
+                    norm = self.fused_norm(args[0], args[1], args[2], 1e-5)
+                    s, es = (got[2], expected[2]) if mode != "static" else (None, None)
+                    self.check_quantized(mode, norm, got[1], s, expected[1], es, args[3])
+                    base.Passes.check_close(self, got[:1], expected[:1])
+                self.assertEqual(len(self.fusion.graphs), 2, "a static graph, then a dynamic one")
+                for graph in self.fusion.graphs:
+                    self.assertEqual([(c["op"], c["quant"], c["keep_norm"])
+                                      for c in graph["tpfuse_calls"]], [(FUSED_FP8, quant, False)])
+                    for op in QUANT_OPS:
+                        self.assertNotIn(op, graph["after"])
 
     def test_without_residual(self):
         def model(x, residual, weight, scale):
@@ -195,7 +229,7 @@ class PassesFp8(_OneRankPasses):
 
         args = self.inputs()
         got, expected = self.compile_and_run(model, args)
-        self.check_fused("allreduce_add_rmsnorm_fp8_group128", 3)
+        self.check_fused("allreduce_add_rmsnorm_fp8_group128", 3, keep_norm=True)
         norm = self.fused_norm(args[0], None, args[2], 1e-6)
         self.check_quantized("group128", norm, got[2], got[3], expected[2], expected[3], args[3])
 
@@ -337,6 +371,22 @@ class PassesMoe(_OneRankPasses):
         self.assertEqual(self.ops("after").count(FUSED), 1)
         base.Passes.check_close(self, got, expected)
 
+    def test_a_dynamic_token_count_keeps_the_combine_fused(self):
+        # Automatic dynamic shapes: a static graph for the first count, then one for any count.
+        def model(rows, weights, residual, weight):
+            partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+            h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+            return vllm_rms_norm(h, weight, 1e-6), h
+
+        torch._dynamo.reset()
+        self.fusion.graphs.clear()
+        compiled = torch.compile(model, fullgraph=True)
+        for tokens in (5, 9, 13):
+            args = self.moe_inputs(tokens=tokens, hidden=384)
+            base.Passes.check_close(self, compiled(*args), model(*args))
+        self.assertEqual([[c["op"] for c in g["tpfuse_calls"]] for g in self.fusion.graphs],
+                         [[self.FUSED_MOE]] * 2)
+
     def test_the_norm_of_a_moe_site_quantized_takes_the_fp8_form_too(self):
         for mode, (quantize, stat, quant) in MODES.items():
             with self.subTest(mode=mode):
@@ -361,6 +411,38 @@ class PassesMoe(_OneRankPasses):
                 # The FP8 output is the torch quantization of the op's own norm output.
                 s, es = (got[3], expected[3]) if mode != "static" else (None, None)
                 self.check_quantized(mode, got[0], got[2], s, expected[2], es, args[4])
+                calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
+                self.assertEqual([c["keep_norm"] for c in calls], [True])
+
+    def test_a_moe_site_whose_norm_only_the_fp8_gemm_reads_writes_no_bf16_norm(self):
+        for mode, (quantize, stat, quant) in MODES.items():
+            with self.subTest(mode=mode):
+
+                def model(rows, weights, residual, weight, scale):
+                    partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+                    h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+                    n = vllm_rms_norm(h, weight, 1e-6)
+                    return (h, *as_tuple(quantize(n, scale)))
+
+                args = self.moe_inputs(hidden=384) + [torch.tensor([0.02]).to(self.device)]
+                got, expected = self.compile_and_run(model, args)
+                self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 1)
+                self.assertEqual(self.fusion.stats[stat], 1)
+                calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
+                self.assertEqual([(c["op"], c["keep_norm"]) for c in calls],
+                                 [("tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default",
+                                   False)])
+                # The same bits as the op called keeping the norm, whose norm the FP8 output is
+                # the quantization of.
+                rows, weights, residual, weight, scale = args
+                kept = tpfuse.allreduce_moe_finalize_add_rmsnorm(
+                    self.team, rows, weights, residual, weight, 1e-6, quant=quant,
+                    scale=scale if mode == "static" else None)
+                self.assertTrue(torch.equal(got[0], kept[1]))
+                self.assertTrue(torch.equal(got[1].view(torch.uint8),
+                                            kept[2].view(torch.uint8)))
+                s, es = (got[2], expected[2]) if mode != "static" else (None, None)
+                self.check_quantized(mode, kept[0], got[1], s, expected[1], es, scale)
 
 
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")

@@ -306,6 +306,38 @@ class Fp8Outputs(unittest.TestCase):
         for team in teams:
             team.close()
 
+    def test_without_the_bf16_norm_every_other_output_keeps_its_bits(self):
+        # keep_norm=False: no bf16 norm written (norm_out is [0, hidden]; the in-place form leaves
+        # input as it was), and residual_out, quant_out and scales are the call's that keeps it.
+        generator = torch.Generator().manual_seed(11)
+        teams = tpfuse.cpu_team(2)
+        rows = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+        for quant in tpfuse.Quant:
+            for algorithm in ("oneshot", "twoshot", "nccl"):
+                where = f"{quant.name} {algorithm}"
+                x = [torch.randn(5, 384, generator=generator).to(torch.bfloat16) for _ in range(2)]
+                residual = torch.randn(5, 384, generator=generator).to(torch.bfloat16)
+                weight = (1 + 0.2 * torch.randn(384, generator=generator)).to(torch.bfloat16)
+                scale = torch.tensor([0.01]) if quant == tpfuse.Quant.STATIC else None
+                kept = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+                    t, x[r], residual, weight, 1e-6, quant, scale, algorithm))
+                bare = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8(
+                    t, x[r], residual, weight, 1e-6, quant, scale, algorithm, keep_norm=False))
+                copies = [(x[r].clone(), residual.clone()) for r in range(2)]
+                in_place = on_every_rank(teams, lambda r, t: tpfuse.allreduce_add_rmsnorm_fp8_(
+                    t, copies[r][0], copies[r][1], weight, 1e-6, quant, scale, algorithm,
+                    keep_norm=False))
+                for rank in range(2):
+                    self.assertEqual(tuple(bare[rank][0].shape), (0, 384), where)
+                    for got, want in zip(bare[rank][1:], kept[rank][1:]):
+                        self.assertTrue(torch.equal(rows(got), rows(want)), where)
+                    self.assertTrue(torch.equal(copies[rank][0], x[rank]), where)  # untouched
+                    self.assertTrue(torch.equal(copies[rank][1], kept[rank][1]), where)
+                    for got, want in zip(in_place[rank], kept[rank][2:]):
+                        self.assertTrue(torch.equal(rows(got), rows(want)), where)
+        for team in teams:
+            team.close()
+
     def test_bad_fp8_arguments_are_named(self):
         (team,) = tpfuse.cpu_team(1)
         x = torch.randn(2, 256, dtype=torch.bfloat16)
@@ -418,6 +450,8 @@ class MoeFinalize(unittest.TestCase):
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
                 call()
+        with self.assertRaisesRegex(ValueError, "keep_norm=False needs quant"):
+            op(team, rows, weights, residual, weight, 1e-6, keep_norm=False)
         team.close()
 
 
@@ -745,22 +779,84 @@ class Compile(unittest.TestCase):
                 torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_.default,
                 (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale, columns),
             )
+            # Without the bf16 norm (keep_norm=False).
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default,
+                (self.team.handle, x128, x128, w128, 1e-6, quant, scale, columns, 0, 0, False),
+            )
+            torch.library.opcheck(
+                torch.ops.tpfuse.allreduce_add_rmsnorm_fp8_.default,
+                (self.team.handle, x128.clone(), x128.clone(), w128, 1e-6, quant, scale, columns,
+                 0, 0, False),
+            )
         rows, weights = torch.randn(3, 2, 256, dtype=torch.bfloat16), torch.rand(3, 2)
         for shared in (None, x128):
             torch.library.opcheck(
                 torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm.default,
                 (self.team.handle, rows, weights, x128, w128, 1e-6, shared),
             )
-            torch.library.opcheck(
-                torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default,
-                (self.team.handle, rows, weights, x128, w128, 1e-6, 3, None, False, shared),
-            )
+            for keep_norm in (True, False):
+                torch.library.opcheck(
+                    torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default,
+                    (self.team.handle, rows, weights, x128, w128, 1e-6, 3, None, False, shared, 0,
+                     keep_norm),
+                )
         qkv = torch.randn(3, 64 + 2 * 32, dtype=torch.bfloat16)
         torch.library.opcheck(
             torch.ops.tpfuse.allreduce_qk_rmsnorm.default,
             (self.team.handle, qkv, torch.ones(64, dtype=torch.bfloat16),
              torch.ones(32, dtype=torch.bfloat16), 64, 32, 64, 32, 1, 1e-6),
         )
+
+    def test_meta_kernels_keep_a_dynamic_token_count_symbolic(self):
+        # Each op on fake tensors whose token count is a symbol: outputs sized by that symbol,
+        # and no guard added (one would fix a compiled graph to the count it was traced at).
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                           StatelessSymbolicContext)
+
+        env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=env)
+        tokens_dynamic = lambda dims: StatelessSymbolicContext(  # noqa: E731
+            dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (dims - 1))
+        fake = lambda t, dynamic=True: mode.from_tensor(  # noqa: E731
+            t, symbolic_context=tokens_dynamic(t.dim()) if dynamic else None)
+        x = fake(torch.empty(9, 384, dtype=torch.bfloat16))
+        tokens = x.shape[0]
+        self.assertIsInstance(tokens, torch.SymInt)
+        w = fake(torch.empty(384, dtype=torch.bfloat16), dynamic=False)
+        scale = fake(torch.ones(1), dynamic=False)
+        rows = fake(torch.empty(9, 4, 384, dtype=torch.bfloat16))
+        weights = fake(torch.empty(9, 4))
+        qkv = fake(torch.empty(9, 64 + 2 * 32, dtype=torch.bfloat16))
+        qw, kw = (fake(torch.empty(n, dtype=torch.bfloat16), dynamic=False) for n in (64, 32))
+        ops = torch.ops.tpfuse
+        handle = self.team.handle
+        with mode:
+            calls = {
+                "allreduce_add_rmsnorm": ops.allreduce_add_rmsnorm(handle, x, x, w, 1e-6),
+                "allreduce": (ops.allreduce(handle, x),),
+                "allreduce_moe_finalize_add_rmsnorm": ops.allreduce_moe_finalize_add_rmsnorm(
+                    handle, rows, weights, x, w, 1e-6),
+                "allreduce_qk_rmsnorm": ops.allreduce_qk_rmsnorm(
+                    handle, qkv, qw, kw, 64, 32, 64, 32, 1, 1e-6),
+            }
+            for quant, given in ((1, scale), (2, None), (3, None)):
+                for columns in (False, True) if quant == 3 else (False,):
+                    for keep in (True, False):
+                        name = f"fp8 quant {quant} columns {columns} keep_norm {keep}"
+                        calls[name] = ops.allreduce_add_rmsnorm_fp8(
+                            handle, x, x, w, 1e-6, quant, given, columns, 0, 0, keep)
+                        calls["in place " + name] = ops.allreduce_add_rmsnorm_fp8_(
+                            handle, x, x, w, 1e-6, quant, given, columns, 0, 0, keep)
+                        calls["moe " + name] = ops.allreduce_moe_finalize_add_rmsnorm_fp8(
+                            handle, rows, weights, x, w, 1e-6, quant, given, columns, None, 0,
+                            keep)
+        self.assertEqual(env.guards, [], "a Meta kernel fixed the token count")
+        for name, outputs in calls.items():
+            for out in outputs:
+                if out.numel() != 0:  # not keep_norm=False's [0, hidden], static's no scales
+                    self.assertIsInstance(out.shape[0], torch.SymInt, f"{name}: {out.shape}")
 
     def test_compiled_graph_holds_the_op_and_matches_eager(self):
         handle = self.team.handle
