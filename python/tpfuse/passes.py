@@ -781,8 +781,47 @@ class NormQuantFp8(FusedPattern):
         norms = [user for user in op.users
                  if user.target is operator.getitem and user.args[1] == 0]
         if all([self._unread_views_erased(norm) for norm in norms]):
-            self._retarget(op, target, dict(values, keep_norm=False))
+            values["keep_norm"] = False
+            self._retarget(op, target, values)
+        if self.mode == "group128":
+            self._fold_column_major(op, target, values)
         self.fusion.stats[self.stat] += 1
+
+    @staticmethod
+    def _fold_column_major(op: torch.fx.Node, target, values: Dict[str, Any]) -> None:
+        """Group scales read only as a column-major copy, `s.t().contiguous().t()` of their
+        [tokens, groups] form (as torch's block-scaled FP8 GEMM and CUTLASS's take activation
+        scales): the op writes them column-major (column_major_scales) and the copy goes."""
+        (scales,) = [user for user in op.users
+                     if user.target is operator.getitem and user.args[1] == 3]
+        shape = tuple(scales.meta["val"].shape)
+        chain, node = [], scales
+        while len(node.users) == 1:
+            (user,) = node.users
+            if user.target not in _VIEWS + (aten.squeeze.dim, aten.squeeze.dims):
+                break
+            chain.append(user)
+            node = user
+        # The [tokens, groups] view, transposed, made contiguous, transposed back.
+        steps = []
+        for want in (aten.permute.default, aten.clone.default, aten.permute.default):
+            if len(node.users) != 1:
+                return
+            (node,) = node.users
+            if node.target is not want:
+                return
+            steps.append(node)
+        first, clone, last = steps
+        transposed = [1, 0]
+        if (tuple(first.args[0].meta["val"].shape) != shape or list(first.args[1]) != transposed
+                or list(last.args[1]) != transposed
+                or clone.kwargs.get("memory_format") is not torch.contiguous_format):
+            return
+        values["column_major_scales"] = True
+        NormQuantFp8._retarget(op, target, values)
+        last.replace_all_uses_with(scales)
+        for node in reversed(chain + steps):
+            node.graph.erase_node(node)
 
 
 def _ops_of(graph: torch.fx.Graph) -> List[str]:

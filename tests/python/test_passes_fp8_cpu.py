@@ -94,7 +94,7 @@ class _OneRankPasses(base.PassesInstalled):
     def ops(self, which):
         return [op for g in self.fusion.graphs for op in g[which]]
 
-    def check_fused(self, stat, quant, keep_norm):
+    def check_fused(self, stat, quant, keep_norm, column_major_scales=False):
         """One site fused into the FP8 form, which writes the bf16 norm only where `keep_norm`
         (something besides the quantization reads it)."""
         self.assertEqual(self.fusion.stats["allreduce_add_rmsnorm"], 1)
@@ -112,7 +112,7 @@ class _OneRankPasses(base.PassesInstalled):
         calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
         self.assertEqual(
             [(c["op"], c["quant"], c["column_major_scales"], c["keep_norm"]) for c in calls],
-            [(FUSED_FP8, quant, False, keep_norm)])
+            [(FUSED_FP8, quant, column_major_scales, keep_norm)])
 
     def fused_norm(self, x, residual, weight, eps):
         """The norm output tpfuse's bf16 fused op gives for these inputs (one rank: x is the
@@ -219,6 +219,35 @@ class PassesFp8(_OneRankPasses):
                                       for c in graph["tpfuse_calls"]], [(FUSED_FP8, quant, False)])
                     for op in QUANT_OPS:
                         self.assertNotIn(op, graph["after"])
+
+    def test_group_scales_read_column_major_are_written_so(self):
+        # s.t().contiguous().t(): the layout torch's block-scaled FP8 GEMM takes. The op writes
+        # the scales column-major and the copy leaves the graph, unless the scales are also read
+        # as they are (then the op keeps them row-major and the copy stays).
+        for also_row_major in (False, True):
+            with self.subTest(also_row_major=also_row_major):
+
+                def model(x, residual, weight, scale):
+                    h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD)
+                    n = base.hand_written_rms_norm(h, weight, 1e-5, True)
+                    q, s = passes.quant_fp8_group(n)
+                    s = s.squeeze(-1)
+                    out = (h, q, s.t().contiguous().t())
+                    return out + (s * 2,) if also_row_major else out
+
+                args = self.inputs(tokens=6, hidden=384)
+                got, expected = self.compile_and_run(model, args)
+                self.check_fused("allreduce_add_rmsnorm_fp8_group128", 3, keep_norm=False,
+                                 column_major_scales=not also_row_major)
+                after = self.ops("after")
+                self.assertEqual(after.count("aten.clone.default"), int(also_row_major), after)
+                norm = self.fused_norm(args[0], args[1], args[2], 1e-5)
+                want_q, want_s = defined_quantization("group128", norm, None)
+                self.assertTrue(torch.equal(got[1].view(torch.uint8), want_q.view(torch.uint8)))
+                self.assertEqual(got[2].stride(), (1, 6))
+                self.assertTrue(torch.equal(got[2], want_s.squeeze(-1)))
+                if also_row_major:
+                    self.assertTrue(torch.equal(got[3], want_s.squeeze(-1) * 2))
 
     def test_without_residual(self):
         def model(x, residual, weight, scale):
