@@ -417,62 +417,46 @@ class PassesMoe(_OneRankPasses):
                          [[self.FUSED_MOE]] * 2)
 
     def test_the_norm_of_a_moe_site_quantized_takes_the_fp8_form_too(self):
+        # With the router reading the bf16 norm (kept), and with only the FP8 GEMM reading it
+        # (keep_norm=False: no bf16 norm written).
         for mode, (quantize, stat, quant) in MODES.items():
-            with self.subTest(mode=mode):
+            for router in (True, False):
+                with self.subTest(mode=mode, router=router):
 
-                def model(rows, weights, residual, weight, scale):
-                    partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
-                    h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
-                    n = vllm_rms_norm(h, weight, 1e-6)
-                    return (n, h, *as_tuple(quantize(n, scale)))
+                    def model(rows, weights, residual, weight, scale):
+                        partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
+                        h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
+                        n = vllm_rms_norm(h, weight, 1e-6)
+                        return ((n,) if router else ()) + (h, *as_tuple(quantize(n, scale)))
 
-                args = self.moe_inputs(hidden=384) + [torch.tensor([0.02]).to(self.device)]
-                got, expected = self.compile_and_run(model, args)
-                self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 1)
-                self.assertEqual(self.fusion.stats[stat], 1)
-                after = self.ops("after")
-                self.assertEqual(after.count(ALL_REDUCE), 0, after)
-                self.assertEqual(
-                    after.count("tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default"), 1, after)
-                self.assertEqual(after.count(self.FUSED_MOE), 0, after)
-                for op in QUANT_OPS:
-                    self.assertNotIn(op, after)
-                # The FP8 output is the torch quantization of the op's own norm output.
-                s, es = (got[3], expected[3]) if mode != "static" else (None, None)
-                self.check_quantized(mode, got[0], got[2], s, expected[2], es, args[4])
-                calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
-                self.assertEqual([c["keep_norm"] for c in calls], [True])
-
-    def test_a_moe_site_whose_norm_only_the_fp8_gemm_reads_writes_no_bf16_norm(self):
-        for mode, (quantize, stat, quant) in MODES.items():
-            with self.subTest(mode=mode):
-
-                def model(rows, weights, residual, weight, scale):
-                    partial = (rows.float() * weights.unsqueeze(-1)).sum(1).to(rows.dtype)
-                    h = funcol.all_reduce(partial, "sum", dist.group.WORLD) + residual
-                    n = vllm_rms_norm(h, weight, 1e-6)
-                    return (h, *as_tuple(quantize(n, scale)))
-
-                args = self.moe_inputs(hidden=384) + [torch.tensor([0.02]).to(self.device)]
-                got, expected = self.compile_and_run(model, args)
-                self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 1)
-                self.assertEqual(self.fusion.stats[stat], 1)
-                calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
-                self.assertEqual([(c["op"], c["keep_norm"]) for c in calls],
-                                 [("tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default",
-                                   False)])
-                # The same bits as the op called keeping the norm, whose norm the FP8 output is
-                # the quantization of.
-                rows, weights, residual, weight, scale = args
-                kept = tpfuse.allreduce_moe_finalize_add_rmsnorm(
-                    self.team, rows, weights, residual, weight, 1e-6, quant=quant,
-                    scale=scale if mode == "static" else None)
-                self.assertTrue(torch.equal(got[0], kept[1]))
-                self.assertTrue(torch.equal(got[1].view(torch.uint8),
-                                            kept[2].view(torch.uint8)))
-                s, es = (got[2], expected[2]) if mode != "static" else (None, None)
-                self.check_quantized(mode, kept[0], got[1], s, expected[1], es, scale)
-
+                    args = self.moe_inputs(hidden=384) + [torch.tensor([0.02]).to(self.device)]
+                    got, expected = self.compile_and_run(model, args)
+                    self.assertEqual(self.fusion.stats["allreduce_moe_finalize_add_rmsnorm"], 1)
+                    self.assertEqual(self.fusion.stats[stat], 1)
+                    after = self.ops("after")
+                    self.assertEqual(after.count(ALL_REDUCE), 0, after)
+                    self.assertEqual(after.count(self.FUSED_MOE), 0, after)
+                    for op in QUANT_OPS:
+                        self.assertNotIn(op, after)
+                    calls = [c for g in self.fusion.graphs for c in g["tpfuse_calls"]]
+                    self.assertEqual([(c["op"], c["keep_norm"]) for c in calls],
+                                     [("tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8.default",
+                                       router)])
+                    # The op called keeping the norm gives the same residual and FP8 bits, and
+                    # its FP8 output is the quantization of its own norm.
+                    rows, weights, residual, weight, scale = args
+                    kept = tpfuse.allreduce_moe_finalize_add_rmsnorm(
+                        self.team, rows, weights, residual, weight, 1e-6, quant=quant,
+                        scale=scale if mode == "static" else None)
+                    if router:
+                        self.assertTrue(torch.equal(got[0], kept[0]))  # the router's norm
+                    got = got[1:] if router else got
+                    expected = expected[1:] if router else expected
+                    self.assertTrue(torch.equal(got[0], kept[1]))
+                    self.assertTrue(torch.equal(got[1].view(torch.uint8),
+                                                kept[2].view(torch.uint8)))
+                    s, es = (got[2], expected[2]) if mode != "static" else (None, None)
+                    self.check_quantized(mode, kept[0], got[1], s, expected[1], es, scale)
 
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
 class PassesMoeOnCuda(PassesMoe):
