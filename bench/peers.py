@@ -15,7 +15,9 @@ With two or more GPUs (one process per GPU, NCCL group), op allreduce_add_rmsnor
 and ops allreduce_add_rmsnorm_fp8 (a static scale) and allreduce_add_rmsnorm_fp8_token (a scale
 per token): the same norm kept in bf16 (in place) and its FP8 E4M3 bytes, tpfuse_torch against
 flashinfer_oneshot / _twoshot / _auto with the patterns that keep the norm too
-(kARResidualRMSNormOutFP8Quant, kARResidualRMSNormOutDynamicFP8Quant); --skip-fp8 leaves them out
+(kARResidualRMSNormOutFP8Quant, kARResidualRMSNormOutDynamicFP8Quant); and the FP8 bytes alone
+(no bf16 norm written), tpfuse_torch_no_norm (keep_norm=False) against flashinfer_*_no_norm
+(kARResidualRMSNormFP8Quant, kARResidualRMSNormDynamicFP8Quant); --skip-fp8 leaves them out
 On every run, on GPU 0, op add_rmsnorm (the local kernels, in place as engines call them):
   flashinfer_fused_add_rmsnorm, tpfuse_one_rank (a one-rank team: tpfuse's local kernel), and
   with --with-compile torch_compile (add + RMSNorm in torch, compiled by Inductor)
@@ -53,10 +55,13 @@ EPS = 1e-6
 DTYPE = torch.bfloat16
 MAX_TOKENS = 32768  # tpfuse-bench's GPU limit
 # The FP8 ops: tpfuse-bench's op name -> (tpfuse's quant, the FlashInfer pattern that keeps the
-# norm as well). The static scale puts the norms of random_sets' values well inside E4M3's range.
+# norm as well, the one that writes the FP8 output alone). The static scale puts the norms of
+# random_sets' values well inside E4M3's range.
 FP8_OPS = {
-    "allreduce_add_rmsnorm_fp8": ("static", "kARResidualRMSNormOutFP8Quant"),
-    "allreduce_add_rmsnorm_fp8_token": ("per_token", "kARResidualRMSNormOutDynamicFP8Quant"),
+    "allreduce_add_rmsnorm_fp8": ("static", "kARResidualRMSNormOutFP8Quant",
+                                  "kARResidualRMSNormFP8Quant"),
+    "allreduce_add_rmsnorm_fp8_token": ("per_token", "kARResidualRMSNormOutDynamicFP8Quant",
+                                        "kARResidualRMSNormDynamicFP8Quant"),
 }
 STATIC_SCALE = 0.02
 
@@ -218,11 +223,14 @@ class TpfuseTorch:
 
 class TpfuseTorchFp8(TpfuseTorch):
     """tpfuse's FP8 op from torch, in place (input <- the bf16 norm, which a MoE router reads),
-    returning the FP8 bytes (and the per-token scales)."""
+    returning the FP8 bytes (and the per-token scales); with keep_norm False no bf16 norm is
+    written (the outputs: the residual, the FP8 bytes and the scales)."""
 
-    def __init__(self, context, op):
+    def __init__(self, context, op, keep_norm=True):
         super().__init__(context)
         self.op = op
+        self.keep_norm = keep_norm
+        self.name = "tpfuse_torch" if keep_norm else "tpfuse_torch_no_norm"
         self.quant = FP8_OPS[op][0]
         self.scale = torch.full((1,), STATIC_SCALE, dtype=torch.float32, device=context["device"])
 
@@ -230,8 +238,9 @@ class TpfuseTorchFp8(TpfuseTorch):
         static = self.quant == "static"
         q, scales = self.tpfuse.allreduce_add_rmsnorm_fp8_(
             self.team, s["input"], s["residual"], gamma, EPS, self.quant,
-            scale=self.scale if static else None)
-        return (s["input"], s["residual"], q) + (() if static else (scales.reshape(-1, 1),))
+            scale=self.scale if static else None, keep_norm=self.keep_norm)
+        norm = (s["input"],) if self.keep_norm else ()
+        return norm + (s["residual"], q) + (() if static else (scales.reshape(-1, 1),))
 
 
 class SymmMemThenLocal:
@@ -334,13 +343,18 @@ class FlashInferFusion:
 
 class FlashInferFusionFp8(FlashInferFusion):
     """FlashInfer's fused all-reduce + residual add + RMSNorm + FP8 output, the pattern that also
-    keeps the bf16 norm (in place into the input, as vLLM calls it): a static scale
-    (scale_factor, a device scalar) or a dynamic scale per token (scale_out [tokens, 1])."""
+    keeps the bf16 norm (in place into the input, as vLLM calls it), or with keep_norm False the
+    one that writes the FP8 output alone: a static scale (scale_factor, a device scalar) or a
+    dynamic scale per token (scale_out [tokens, 1])."""
 
-    def __init__(self, context, mode, op):
+    def __init__(self, context, mode, op, keep_norm=True):
         super().__init__(context, mode)
         self.op = op
-        self.quant, self.pattern_name = FP8_OPS[op]
+        self.keep_norm = keep_norm
+        if not keep_norm:
+            self.name += "_no_norm"
+        self.quant, kept, alone = FP8_OPS[op]
+        self.pattern_name = kept if keep_norm else alone
         self.scale = torch.full((1,), STATIC_SCALE, dtype=torch.float32, device=self.device)
 
     def prepare(self, tokens, hidden):
@@ -365,11 +379,12 @@ class FlashInferFusionFp8(FlashInferFusion):
             input=s["input"], workspace=self.workspace,
             pattern=getattr(AllReduceFusionPattern, self.pattern_name), launch_with_pdl=True,
             trigger_completion_at_end=True, output=self.scratch[:tokens],
-            residual_in=s["residual"], residual_out=s["residual"], norm_out=s["input"],
-            quant_out=quant_out, scale_out=None if static else scale_out, rms_gamma=gamma,
-            rms_eps=EPS, scale_factor=self.scale if static else None, use_oneshot=use_oneshot,
-            fp32_acc=True)
-        return (s["input"], s["residual"], quant_out) + (() if static else (scale_out,))
+            residual_in=s["residual"], residual_out=s["residual"],
+            norm_out=s["input"] if self.keep_norm else None, quant_out=quant_out,
+            scale_out=None if static else scale_out, rms_gamma=gamma, rms_eps=EPS,
+            scale_factor=self.scale if static else None, use_oneshot=use_oneshot, fp32_acc=True)
+        norm = (s["input"],) if self.keep_norm else ()
+        return norm + (s["residual"], quant_out) + (() if static else (scale_out,))
 
 
 class PeersRun:
@@ -410,10 +425,11 @@ def rank_main(rank, world, store_path, args, queue):
     impls += [SymmMemThenLocal(context, algorithm) for algorithm in ("oneshot", "twoshot")]
     if not args.skip_fp8:
         for op in FP8_OPS:
-            impls.append(TpfuseTorchFp8(context, op))
-            if flashinfer is not None:
-                impls += [FlashInferFusionFp8(context, mode, op)
-                          for mode in ("oneshot", "twoshot", "auto")]
+            for keep_norm in (True, False):
+                impls.append(TpfuseTorchFp8(context, op, keep_norm))
+                if flashinfer is not None:
+                    impls += [FlashInferFusionFp8(context, mode, op, keep_norm)
+                              for mode in ("oneshot", "twoshot", "auto")]
     impls = [impl for impl in impls if impl.name not in args.skip]
 
     timer = Timer(device, args.ops_per_graph, args.replays, barrier)
@@ -452,8 +468,9 @@ def rank_main(rank, world, store_path, args, queue):
                     references[impl.op] = outputs
                     record["chosen"] = context["team"].choose(tokens, hidden, DTYPE)
                 elif impl.op in references:
-                    record["max_abs_diff"], record["bitwise_equal"] = compare(
-                        outputs, references[impl.op])
+                    # An impl without the bf16 norm against the reference's other outputs.
+                    reference = references[impl.op][0 if getattr(impl, "keep_norm", True) else 1:]
+                    record["max_abs_diff"], record["bitwise_equal"] = compare(outputs, reference)
                 records.append(record)
                 if rank == 0:
                     print(f"peers: hidden {hidden} tokens {tokens} {impl.op} {impl.name}: "
