@@ -18,6 +18,11 @@ flashinfer_oneshot / _twoshot / _auto with the patterns that keep the norm too
 (kARResidualRMSNormOutFP8Quant, kARResidualRMSNormOutDynamicFP8Quant); and the FP8 bytes alone
 (no bf16 norm written), tpfuse_torch_no_norm (keep_norm=False) against flashinfer_*_no_norm
 (kARResidualRMSNormFP8Quant, kARResidualRMSNormDynamicFP8Quant); --skip-fp8 leaves them out
+and op allreduce_moe_finalize_add_rmsnorm (MiniMax-M2's top-8 combine of [tokens, 8, hidden]
+expert rows by bf16 routing weights, then the all-reduce + add + RMSNorm), up to 1024 tokens:
+  tpfuse_torch  tpfuse.allreduce_moe_finalize_add_rmsnorm (out of place)
+  flashinfer_moe_finalize  FlashInfer's kMoEFinalizeARResidualRMSNorm (one-shot, in place), its
+      permuted rows the same [tokens * 8, hidden] buffer through an identity index map
 On every run, on GPU 0, op add_rmsnorm (the local kernels, in place as engines call them):
   flashinfer_fused_add_rmsnorm, tpfuse_one_rank (a one-rank team: tpfuse's local kernel), and
   with --with-compile torch_compile (add + RMSNorm in torch, compiled by Inductor)
@@ -387,6 +392,88 @@ class FlashInferFusionFp8(FlashInferFusion):
         return norm + (s["residual"], quant_out) + (() if static else (scale_out,))
 
 
+MOE_TOPK = 8  # MiniMax-M2's
+MOE_MAX_TOKENS = 1024
+
+
+class MoeInputs:
+    """Each buffer set's MoE inputs, made at bind from the rank and the set's place in the list (so
+    that every impl sees the same values): expert rows [tokens, MOE_TOPK, hidden] and bf16 routing
+    weights [tokens, MOE_TOPK] (the dtype FlashInfer's kernel reads them in)."""
+
+    def __init__(self, device, rank):
+        self.device, self.rank = device, rank
+        self.by_input = {}
+
+    def bind(self, sets):
+        self.by_input = {}
+        for index, s in enumerate(sets):
+            tokens, hidden = s["input"].shape
+            if tokens > MOE_MAX_TOKENS:
+                raise ValueError(f"the MoE impls are measured up to {MOE_MAX_TOKENS} tokens")
+            generator = torch.Generator(device=self.device).manual_seed(
+                1000 * self.rank + 7919 * index + tokens * hidden)
+            rows = (torch.rand((tokens, MOE_TOPK, hidden), generator=generator,
+                               device=self.device) * 2 - 1).to(DTYPE)
+            weights = torch.rand((tokens, MOE_TOPK), generator=generator,
+                                 device=self.device).to(DTYPE)
+            self.by_input[s["input"].data_ptr()] = (rows, weights)
+
+    def of(self, s):
+        return self.by_input[s["input"].data_ptr()]
+
+
+class TpfuseTorchMoe(TpfuseTorch):
+    """tpfuse's MoE finalize + all-reduce + add + RMSNorm from torch (out of place)."""
+
+    op = "allreduce_moe_finalize_add_rmsnorm"
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.moe = MoeInputs(context["device"], context["rank"])
+
+    def bind(self, sets):
+        self.moe.bind(sets)
+
+    def call(self, s, gamma):
+        rows, weights = self.moe.of(s)
+        return self.tpfuse.allreduce_moe_finalize_add_rmsnorm(
+            self.team, rows, weights, s["residual"], gamma, EPS)
+
+
+class FlashInferMoeFinalize(FlashInferFusion):
+    """FlashInfer's MoE finalize + all-reduce + residual add + RMSNorm (TensorRT-LLM's one-shot
+    kernel): its permuted expert rows are the [tokens * MOE_TOPK, hidden] view of the same rows,
+    mapped by an identity index map; norm into the input, the sum into the residual."""
+
+    op = "allreduce_moe_finalize_add_rmsnorm"
+
+    def __init__(self, context):
+        super().__init__(context, "oneshot")
+        self.name = "flashinfer_moe_finalize"
+        self.moe = MoeInputs(self.device, self.rank)
+        self.index_map = None
+
+    def bind(self, sets):
+        self.moe.bind(sets)
+        tokens = sets[0]["input"].shape[0]
+        self.index_map = torch.arange(tokens * MOE_TOPK, dtype=torch.int32,
+                                      device=self.device).view(tokens, MOE_TOPK)
+
+    def call(self, s, gamma):
+        from flashinfer.comm import AllReduceFusionPattern, allreduce_fusion
+
+        rows, weights = self.moe.of(s)
+        tokens, hidden = s["input"].shape
+        allreduce_fusion(
+            input=rows.view(tokens * MOE_TOPK, hidden), workspace=self.workspace,
+            pattern=AllReduceFusionPattern.kMoEFinalizeARResidualRMSNorm, launch_with_pdl=True,
+            residual_in=s["residual"], residual_out=s["residual"], norm_out=s["input"],
+            rms_gamma=gamma, rms_eps=EPS, expanded_idx_to_permuted_idx=self.index_map,
+            expert_scale_factor=weights)
+        return s["input"], s["residual"]
+
+
 class PeersRun:
     max_tokens = 1
 
@@ -430,6 +517,9 @@ def rank_main(rank, world, store_path, args, queue):
                 if flashinfer is not None:
                     impls += [FlashInferFusionFp8(context, mode, op, keep_norm)
                               for mode in ("oneshot", "twoshot", "auto")]
+    impls.append(TpfuseTorchMoe(context))
+    if flashinfer is not None:
+        impls.append(FlashInferMoeFinalize(context))
     impls = [impl for impl in impls if impl.name not in args.skip]
 
     timer = Timer(device, args.ops_per_graph, args.replays, barrier)
