@@ -258,17 +258,18 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
   return a_begin < b_begin + b.nbytes() && b_begin < a_begin + a.nbytes();
 }
 
-// The in-place ops write the norm into input and the sum into residual: the two must be apart,
-// and neither may touch the weight every row reads. Checked here so that the message names the
-// op's own arguments (the library's check would name norm_out, residual_out and gamma).
+// The in-place ops write the norm into input (unless an FP8 call keeps no norm) and the sum into
+// residual: the two must be apart, and neither written one may touch the weight every row reads.
+// Checked here so that the message names the op's own arguments (the library's check would name
+// norm_out, residual_out and gamma).
 void check_in_place(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
-                    const char* op) {
+                    const char* op, bool writes_input = true) {
   TORCH_CHECK(!input.is_same(residual) && !overlap(input, residual), "tpfuse::", op,
               input.is_same(residual) ? ": input and residual are the same tensor"
                                       : ": input and residual overlap",
-              "; the in-place op writes the norm into input and the sum into residual, so they "
-              "must be two tensors apart");
-  TORCH_CHECK(!overlap(input, weight), "tpfuse::", op,
+              "; the in-place op reads input (and writes the norm there unless keep_norm is "
+              "false) and writes the sum into residual, so they must be two tensors apart");
+  TORCH_CHECK(!writes_input || !overlap(input, weight), "tpfuse::", op,
               ": input overlaps weight; the in-place op writes the norm into input, and every "
               "row reads weight");
   TORCH_CHECK(!overlap(residual, weight), "tpfuse::", op,
@@ -437,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> allreduce_add_rmsnorm_fp8_(
   run_add_rmsnorm(
       team_handle, input, &residual, weight, eps, algorithm, norm_weight,
       keep_norm ? input : at::Tensor(), residual, op,
-      [&] { check_in_place(input, residual, weight, op); }, &fp8);
+      [&] { check_in_place(input, residual, weight, op, keep_norm); }, &fp8);
   return {fp8.quant_out, fp8.scales};
 }
 

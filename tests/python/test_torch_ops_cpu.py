@@ -338,6 +338,27 @@ class Fp8Outputs(unittest.TestCase):
         for team in teams:
             team.close()
 
+    def test_without_the_norm_input_may_hold_the_weight(self):
+        # keep_norm=False writes nothing into input, so a weight that is a view of it is read
+        # as it is; keeping the norm, that is refused before anything is written.
+        (team,) = tpfuse.cpu_team(1)
+        generator = torch.Generator().manual_seed(5)
+        x = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+        residual = torch.randn(3, 256, generator=generator).to(torch.bfloat16)
+        weight = x[1]  # row 1 of input
+        want = tpfuse.allreduce_add_rmsnorm_fp8(team, x, residual, weight.clone(), 1e-6,
+                                                "per_token", keep_norm=False)
+        before = x.clone()
+        q, scales = tpfuse.allreduce_add_rmsnorm_fp8_(team, x, residual, weight, 1e-6,
+                                                      "per_token", keep_norm=False)
+        self.assertTrue(torch.equal(x, before))
+        self.assertTrue(torch.equal(residual, want[1]))
+        self.assertTrue(torch.equal(q.view(torch.uint8), want[2].view(torch.uint8)))
+        self.assertTrue(torch.equal(scales, want[3]))
+        with self.assertRaisesRegex(RuntimeError, "input overlaps weight"):
+            tpfuse.allreduce_add_rmsnorm_fp8_(team, x, residual, weight, 1e-6, "per_token")
+        team.close()
+
     def test_bad_fp8_arguments_are_named(self):
         (team,) = tpfuse.cpu_team(1)
         x = torch.randn(2, 256, dtype=torch.bfloat16)
