@@ -150,22 +150,27 @@ void run_rank(const Team& team, Barrier& barrier, const BenchPlan& plan,
         if (algorithm == Algorithm::kOneShot) fused_us = us;
       }
 
-      // The norm's FP8 output too, in each mode (the selector's algorithm).
+      // The norm's FP8 output too, in each mode (the selector's algorithm), keeping the bf16 norm
+      // and not (norm_out null: the FP8 output alone).
       for (const QuantMode mode : kBenchQuantModes) {
         if (mode == QuantMode::kPerTokenGroup128 && hidden % kQuantGroupSize != 0) continue;
-        const double us = measure_batches(barrier, plan, true, sets, [&](const auto& set) {
-          AddRmsNormArgs args = fused_args(set, gamma.data, hidden, tokens, plan.dtype);
-          args.quant = mode;
-          args.quant_out = set.quant_out.data;
-          if (mode == QuantMode::kStatic) {
-            args.quant_scale = &static_scale;
-          } else {
-            args.scales_out = static_cast<float*>(set.scales.data);
-          }
-          allreduce_add_rmsnorm(team, args);
-        });
-        team.check();
-        add(fp8_op_name(mode), "tpfuse_auto_cpu", hidden, tokens, team.world_size(), us);
+        for (const bool keep_norm : {true, false}) {
+          const double us = measure_batches(barrier, plan, true, sets, [&](const auto& set) {
+            AddRmsNormArgs args = fused_args(set, gamma.data, hidden, tokens, plan.dtype);
+            if (!keep_norm) args.norm_out = nullptr;
+            args.quant = mode;
+            args.quant_out = set.quant_out.data;
+            if (mode == QuantMode::kStatic) {
+              args.quant_scale = &static_scale;
+            } else {
+              args.scales_out = static_cast<float*>(set.scales.data);
+            }
+            allreduce_add_rmsnorm(team, args);
+          });
+          team.check();
+          add(fp8_op_name(mode), keep_norm ? "tpfuse_auto_cpu" : "tpfuse_auto_no_norm_cpu", hidden,
+              tokens, team.world_size(), us);
+        }
       }
 
       const double local_us = measure_batches(barrier, plan, is_rank0, sets, [&](const auto& set) {

@@ -96,6 +96,13 @@ constexpr Column kColumns[] = {
     {"fp8_static_cpu", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_cpu"},
     {"fp8_token_cpu", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_cpu"},
     {"fp8_group128_cpu", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_cpu"},
+    // The FP8 output alone (no bf16 norm written).
+    {"fp8_static_no_norm", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_no_norm"},
+    {"fp8_token_no_norm", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_no_norm"},
+    {"fp8_group128_no_norm", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_no_norm"},
+    {"fp8_static_no_norm_cpu", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_no_norm_cpu"},
+    {"fp8_token_no_norm_cpu", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_no_norm_cpu"},
+    {"fp8_group128_no_norm_cpu", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_no_norm_cpu"},
 };
 constexpr int kSpeedupAfterColumn = 2;
 constexpr int kCpuFusedColumn = 11;
