@@ -269,6 +269,21 @@ def _commit() -> str:
         return "unknown"
 
 
+def replay_times(graph, replays, barrier):
+    """ms of each of `replays` replays of a captured CUDA graph, timed with events, each started
+    after `barrier` (every rank together)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        barrier()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 class Runner:
     """One rank's part of the benchmark."""
 
@@ -436,14 +451,7 @@ class Runner:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(self.args.replays):
-                self.barrier()
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+            times = replay_times(graph, self.args.replays, self.barrier)
             eager = []
             for _ in range(5):
                 self.barrier()

@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import init_rank, run_info, run_ranks  # noqa: E402  (also puts bench/ on the path)
+# decode also puts bench/ on the path.
+from decode import init_rank, replay_times, run_info, run_ranks  # noqa: E402
 import results_path  # noqa: E402
 from model import relative_error, tokens_per_second  # noqa: E402
 
@@ -323,15 +324,7 @@ class Runner:
         for _ in range(self.args.warmup):
             graph.replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(self.args.steps):
-            self.barrier()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = replay_times(graph, self.args.steps, self.barrier)
         del graph
         return times
 
