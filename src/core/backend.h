@@ -59,6 +59,10 @@ class BackendOps {
 
   // Whether the team can run the NCCL path (the CPU's stand-in always can).
   virtual bool has_nccl_path(const TeamState& team) const = 0;
+  // Whether the NCCL path's calls carry headers and take turns like the fused calls' (the CPU's
+  // stand-in: a rejected call's absent turn reaches peers on it, and disagreeing calls on it are
+  // told). NCCL's own all-reduce does not: a rank there must make the same call as its peers.
+  virtual bool nccl_path_takes_turns() const = 0;
   // Team::check: synchronizes with the rank's work, then report_call_errors.
   virtual void check(const TeamState& team) const = 0;
 };
