@@ -317,7 +317,9 @@ void check_row_results(Algorithm algorithm, uint64_t seed) {
       char* at = board.results(rank);
       for (size_t c = 0; c < specs.size(); ++c) {
         const CaseResult result = runner.run(specs[c], data[c]);
-        if (rank == 0) EXPECT_EQ(result.algorithm, algorithm) << describe(specs[c]);
+        if (rank == 0) {
+          EXPECT_EQ(result.algorithm, algorithm) << describe(specs[c]);
+        }
         put_row_result(at, result, rank);
       }
     }));
