@@ -94,7 +94,8 @@ struct TeamOptions {
   bool peer_stores = true;
   // How long the creation handshake waits for a peer's store.
   double handshake_timeout_seconds = 5.0;
-  PeerMemory peer_memory = PeerMemory::kAuto;  // multi-process teams only
+  // Multi-process teams only (create_cuda_team(id, ...) has only kCudaIpc: kAuto means it).
+  PeerMemory peer_memory = PeerMemory::kAuto;
 };
 
 namespace impl {
@@ -127,7 +128,8 @@ class Team {
   const std::string& fallback_reason() const;
   // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
   // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
-  // ipc" (multi-process), or "none" (NCCL only).
+  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), or
+  // "none" (NCCL only).
   const std::string& peer_memory() const;
   // Synchronizes with the rank's device work, then throws tpfuse::Error if the team failed: a
   // peer did not arrive in time (naming it), a peer's call disagreed with this rank's (naming the
@@ -167,6 +169,25 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size,
 // is an error naming the pair). Rank i is devices[i].
 std::vector<Team> create_cuda_team(const std::vector<int>& devices,
                                    const TeamOptions& options = {});
+
+// A CUDA team of one rank per process on this host, made without NCCL: rank `rank` of
+// `world_size` on CUDA device `device` (this process's ordinal). Peer memory is CUDA IPC
+// (cudaIpcGetMemHandle / cudaIpcOpenMemHandle); ranks may share a device (several processes on
+// one GPU: their kernels then time-slice, so keep token counts small), and ranks on different
+// devices need P2P between them (its absence is an error naming the pair). The id comes from
+// create_cpu_team_id(), made on one rank and passed to the others through any channel; the
+// creation is collective and bootstraps over a CPU team of the same id (shared memory). Each of
+// its waits for the peers lasts up to options.peer_timeout_seconds + handshake_timeout_seconds
+// (0 peer timeout: forever; processes sharing a GPU set up seconds apart): a rank that never
+// joins is named by the others. Every rank must pass the same world_size and options
+// (packet_bytes, peer_stores, peer_memory; a difference is an error on every rank naming the
+// rank and field); calls time out after peer_timeout_seconds as on other teams. This team has no
+// NCCL path: it never falls back (fallback_reason() is empty, peer_memory() is "cuda ipc"),
+// options.peer_stores must be true, and a call the workspace cannot carry
+// (TeamOptions::packet_bytes) is refused with an error before any work, as is Algorithm::kNccl. GPU
+// memory per rank: 3 * world_size * packet_bytes.
+Team create_cuda_team(const CpuTeamId& id, int rank, int world_size, int device,
+                      const TeamOptions& options = {});
 
 // A team of one rank per process over an NCCL communicator the caller already has: the team
 // lives on the communicator's device, uses it for its symmetric workspace, the creation

@@ -83,13 +83,16 @@ class NcclSupport {
                             const TeamOptions& options) const = 0;
 };
 
-// In-process CUDA teams (src/team/cuda_team.cu).
+// CUDA teams made without NCCL: in-process (src/team/cuda_team.cu), and one rank per process
+// over CUDA IPC, bootstrapped through a CPU team of the same id (src/team/ipc_team.cu).
 class CudaTeams {
  public:
   virtual ~CudaTeams() = default;
   virtual int device_count() const = 0;
   virtual std::vector<Team> in_process(const std::vector<int>& devices,
                                        const TeamOptions& options) const = 0;
+  virtual Team process_team(const CpuTeamId& id, int rank, int world_size, int device,
+                            const TeamOptions& options) const = 0;
 };
 
 // Defined only in the builds that have them; src/core/registry.cc is the one place that asks.
