@@ -146,7 +146,7 @@ std::string describe_failure(const ErrorRecord& e, int rank, int device,
     out << " ("
         << (mark.kind() == CallError::kTimeout ? "it timed out waiting for rank "
                                                : "its call disagreed with rank ")
-        << mark.named_rank()
+        << mark.named_rank() << peer_note
         << "; its own error says more) and told every rank: a call it gave up on is never "
            "combined with a later one. Every call of every rank of this team now fails; create "
            "a new team";

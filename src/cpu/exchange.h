@@ -159,7 +159,14 @@ inline Vec16 poll_vector(const char* address, CpuCall& call, int sender) {
       const auto waited = std::chrono::steady_clock::now() - start;
       const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
       if (call.x.timeout_ns != 0 && uint64_t(waited_ns) > call.x.timeout_ns) {
-        record_failure(call.x, CallError::kTimeout, sender, call.mine.header, header);
+        // The rank to name is one that has not begun this call (its header is not in), where
+        // there is one: the sender waited on may itself be waiting for it (two-shot's gather).
+        int missing = sender;
+        for (int r = call.x.world_size - 1; r >= 0; --r) {
+          if (r != call.x.rank && !has_arrived(load_vector(call.header_of(r)))) missing = r;
+        }
+        record_failure(call.x, CallError::kTimeout, missing, call.mine.header,
+                       load_vector(call.header_of(missing)));
         throw_failure(call.x);
       }
     }
