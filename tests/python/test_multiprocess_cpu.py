@@ -207,9 +207,16 @@ def _rank_main(rank, world, store_path, failures):
         assert team.peer_memory == "shared memory" and team.fallback_reason == "", team
         _check_ops(team, rank, world)
         _check_compiled_layer(team, rank, world)
-        # Wrong backends are named before anything is made.
+        # Wrong backends are named before anything is made. backend='cuda' over this gloo group
+        # is refused for what the machine lacks: CUDA itself where there is none; else, whatever
+        # the number of GPUs, a GPU a rank, since no rank here chose one (every rank is on
+        # cuda:0).
+        if torch.cuda.is_available():
+            cuda_refusal = "both use cuda:0; call torch.cuda.set_device(<this rank's GPU>) first"
+        else:
+            cuda_refusal = "backend 'cuda' needs CUDA"
         for backend, message in (("tpu", "backend must be 'cuda' or 'cpu'"),
-                                 ("cuda", "needs")):
+                                 ("cuda", cuda_refusal)):
             try:
                 tpfuse.Team.from_group(backend=backend)
                 raise AssertionError(f"backend {backend!r} was accepted")
