@@ -572,6 +572,14 @@ TEST(ProcessTeam, BadArgumentsAreNamed) {
   std::string joins[2];
   std::atomic<int> returned{0};
   std::thread first([&] { team[0] = create_cpu_team(id, 0, 3, small_options(10.0)); });
+  // A second rank 0 of the id finds the first one's socket: an id makes one team.
+  const auto listening = std::chrono::steady_clock::now();
+  while (!socket_listed(team_name(id)) &&
+         std::chrono::steady_clock::now() - listening < std::chrono::seconds(8)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(contains(error_of([&] { create_cpu_team(id, 0, 3, small_options(10.0)); }),
+                       "an id makes one team"));
   std::vector<std::thread> rank_one;
   for (int j = 0; j < 2; ++j) {
     rank_one.emplace_back([&, j] {
