@@ -92,6 +92,10 @@ COMPILED_MODES = ("tpfuse_compiled", "compiled", "inductor")
 FP8_SITES_PER_LAYER = 2
 FP8_STAT = "allreduce_add_rmsnorm_fp8_group128"
 QUANT_GROUP_128 = 3  # tpfuse.Quant.PER_TOKEN_GROUP_128
+# The peer timeout of the multi-rank teams here: every rank compiles before its first call in a
+# compiled graph, and on a loaded machine (the CPU tests on 2 shared cores) one rank may get there
+# tens of seconds after another. A compiling peer is not a dead one.
+PEER_TIMEOUT_SECONDS = 600.0
 
 
 def _split_qk(qkv, config, local):
@@ -309,7 +313,7 @@ class Runner:
                 (self.team,) = (tpfuse.cuda_team([self.device.index]) if self.cuda
                                 else tpfuse.cpu_team(1))
             else:
-                self.team = tpfuse.Team.from_group(group)
+                self.team = tpfuse.Team.from_group(group, peer_timeout_seconds=PEER_TIMEOUT_SECONDS)
 
     def check_fp8_gemms(self):
         """Refuses to time an FP8 model whose block-scaled GEMM does not compute its definition

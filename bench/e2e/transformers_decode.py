@@ -50,7 +50,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # decode also puts bench/ on the path.
-from decode import init_rank, replay_times, run_info, run_ranks  # noqa: E402
+from decode import (  # noqa: E402
+    PEER_TIMEOUT_SECONDS,
+    init_rank,
+    replay_times,
+    run_info,
+    run_ranks,
+)
 import results_path  # noqa: E402
 from model import relative_error, tokens_per_second  # noqa: E402
 
@@ -136,7 +142,8 @@ class Runner:
         if "tpfuse" in args.modes:
             import tpfuse
 
-            self.team = tpfuse.Team.from_group(self.group)
+            self.team = tpfuse.Team.from_group(self.group,
+                                               peer_timeout_seconds=PEER_TIMEOUT_SECONDS)
 
     def run(self):
         records = []

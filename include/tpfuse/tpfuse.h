@@ -150,14 +150,17 @@ class Team {
 std::vector<Team> create_cpu_team(int world_size, const TeamOptions& options = {});
 
 // A CPU-backend team whose ranks are processes of this host (one rank each), every rank's
-// workspace in one POSIX shared-memory segment: the same protocol and bits as the in-process
-// CPU team. Make the id on one rank (create_cpu_team_id), pass it to the others through any
-// channel (a torch process group, MPI, a file), then create_cpu_team(id, rank, world_size) on
-// every rank with the same world_size and TeamOptions. Collective: each rank waits up to
-// options.peer_timeout_seconds (0: forever) for the others to join, then throws naming the
-// ranks that did not. An id makes one team. The segment's name is removed once every rank has
-// mapped it (or when a rank gives up waiting), so nothing outlives the processes; a peer that
-// dies later is reported as missing (naming its process) by the call that waits for it.
+// workspace in one block of shared memory: the same protocol and bits as the in-process CPU
+// team. Make the id in any process (create_cpu_team_id; it is plain bytes: a magic and a random
+// name), pass it to the others through any channel (a torch process group, MPI, a file), then
+// create_cpu_team(id, rank, world_size) on every rank with the same world_size and TeamOptions.
+// Collective: each rank waits up to options.peer_timeout_seconds (0: forever) for the others to
+// join (rank 0 may start last), then throws naming the ranks that did not. An id makes one team.
+// The memory has no name in any filesystem (a memfd that rank 0 hands to the other ranks over a
+// Linux abstract unix socket named by the id, closed once every rank has joined), so nothing
+// outlives the processes, even when all of them die while the team is being made. The ranks
+// must share a network namespace (the socket's). A peer that dies later is reported as missing
+// (naming its process) by the call that waits for it.
 struct CpuTeamId {
   char bytes[64];
 };

@@ -1,31 +1,47 @@
-// CPU-backend teams of one rank per process on this host: every rank's workspace in one POSIX
-// shared-memory segment that each process maps at an address of its own. The calls are the
-// in-process CPU team's (src/cpu/): senders store into the peer's workspace through this
-// process's mapping, with the same release/acquire word stores, which order across processes as
-// across threads (one physical page, lock-free 32-bit atomics). Each rank's control block and
-// error record are touched by that rank only, so they stay in its process's private memory.
+// CPU-backend teams of one rank per process on this host: every rank's workspace in one block of
+// shared memory that each process maps at an address of its own. The calls are the in-process
+// CPU team's (src/cpu/): senders store into the peer's workspace through this process's mapping,
+// with the same release/acquire word stores, which order across processes as across threads (one
+// physical page, lock-free 32-bit atomics). Each rank's control block and error record are
+// touched by that rank only, so they stay in its process's private memory.
 //
-// Creation (create_cpu_team(id, ...)): rank 0 creates the segment under the id's name, reserves
-// its pages (so that a full /dev/shm is an error here, not a SIGBUS later), writes the header and
-// sets `ready`. Every rank maps it, checks that its world size and options are rank 0's, claims
-// its rank, fills its own workspace with the sentinel and counts itself in; the team exists once
-// all have (the count's release/acquire orders every fill before any rank's first packet). Then
-// each rank removes the name (the first removal wins): the pages live until the last process
-// unmaps them, so a team whose processes die leaves nothing behind. A rank that waits past the
-// deadline marks the segment abandoned, removes the name and throws naming the ranks that did
-// not join; ranks still waiting see the mark and throw too.
-#include <dirent.h>
+// The memory has no name anywhere: rank 0 makes it with memfd_create, and it lives exactly as
+// long as some process holds its descriptor or a mapping of it. So a team leaves nothing behind
+// however its processes end, even when every rank dies while the team is being made.
+//
+// Creation (create_cpu_team(id, ...)): the id holds a random name. Rank 0 listens on the Linux
+// abstract unix socket of that name (the name lives while the socket is open and in no
+// filesystem; a second listener of one id fails: an id makes one team), creates the memory,
+// reserves its pages (so that running out of memory is an error here, not a SIGBUS later) and
+// writes the header. Every other rank connects to the socket (retrying until its deadline: rank 0
+// may start late) and receives the memory's descriptor from rank 0 (SCM_RIGHTS; rank 0 serves
+// only processes of its own user or root, as a 0600 file would). Every rank maps the memory,
+// checks that its world size and options are rank 0's, claims its rank, fills its own workspace
+// with the sentinel and counts itself in; the team exists once all have (the count's
+// release/acquire orders every fill before any rank's first packet). Rank 0 hands out the
+// descriptor while it waits for the count and closes the socket and its descriptor once every
+// rank has joined: the mappings keep the memory until the last process unmaps it. A rank that
+// waits past the deadline marks the memory abandoned and throws naming the ranks that did not
+// join; ranks still waiting see the mark and throw too (rank 0 still serves those that have
+// connected, so that they see it, then closes the socket).
+//
+// The abstract namespace belongs to the network namespace: every rank must share rank 0's (as
+// processes of one host do unless a container gives them network namespaces of their own).
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
+#include <iomanip>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -41,27 +57,26 @@ namespace tpfuse {
 namespace impl {
 namespace {
 
-constexpr char kIdMagic[16] = "tpfuse-cpu-id:1";
-constexpr const char* kNamePrefix = "/tpfuse-";
+constexpr char kIdMagic[16] = "tpfuse-cpu-id:2";
+constexpr const char* kNamePrefix = "tpfuse-";
 constexpr size_t kPage = 4096;
 
-// What an id holds: the magic (an id made by create_cpu_team_id) and the segment's name,
-// "/tpfuse-<creator pid>-<random>".
+// What an id holds: the magic (an id made by create_cpu_team_id) and the team's name,
+// "tpfuse-<128 random bits in hex>": the abstract socket rank 0 listens on, and the memory's
+// memfd name (seen in /proc/<pid>/fd and maps).
 struct IdFields {
   char magic[16];
   char name[48];
 };
 static_assert(sizeof(IdFields) == sizeof(CpuTeamId));
 
-// The segment's first page; the workspaces follow, one every `workspace_stride` bytes. Fields
-// other than the words below are written by rank 0 before it sets `ready` and read after it.
+// The memory's first page; the workspaces follow, one every `workspace_stride` bytes. Fields other
+// than the words below are written by rank 0 before it hands out the descriptor.
 struct SegmentHeader {
-  uint32_t ready;      // 1: rank 0 has sized the segment and written the fields
-  uint32_t abandoned;  // 1: a rank gave up waiting; no team comes of this segment
+  uint32_t abandoned;  // 1: a rank gave up waiting; no team comes of this memory
   uint32_t joined;     // ranks that have filled their workspace
   uint32_t world_size;
   uint32_t peer_stores;
-  uint32_t unused;
   uint64_t packet_bytes;
   uint64_t workspace_stride;
   uint64_t total_bytes;
@@ -110,22 +125,7 @@ bool process_alive(int32_t pid) {
   return read == 0 || name_end == nullptr || name_end[1] != ' ' || name_end[2] != 'Z';
 }
 
-// Removes the names of segments whose creator has exited before the team was complete (a name
-// lives only while its team is being made). Linux keeps shm_open names in /dev/shm.
-void remove_stale_names() {
-  DIR* directory = ::opendir("/dev/shm");
-  if (directory == nullptr) return;
-  const std::string prefix = std::string(kNamePrefix).substr(1);
-  while (const dirent* entry = ::readdir(directory)) {
-    const std::string name = entry->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
-    if (pid > 0 && !process_alive(int32_t(pid))) ::shm_unlink(("/" + name).c_str());
-  }
-  ::closedir(directory);
-}
-
-// This process's mapping of the segment, and the rank's private control block and error record.
+// This process's mapping of the memory, and the rank's private control block and error record.
 struct ProcessTeamMemory : TeamMemory {
   void* base = nullptr;
   size_t bytes = 0;
@@ -137,11 +137,11 @@ struct ProcessTeamMemory : TeamMemory {
   SegmentHeader* header() const { return static_cast<SegmentHeader*>(base); }
 };
 
-void* map_segment(int fd, size_t bytes, const std::string& name) {
+void* map_memory(int fd, size_t bytes) {
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
-    TPF_FAIL("create_cpu_team: mapping " << bytes << " bytes of shared memory " << name
-                                         << " failed: " << errno_text());
+    TPF_FAIL("create_cpu_team: mapping "
+             << bytes << " bytes of the team's shared memory failed: " << errno_text());
   }
   return base;
 }
@@ -149,33 +149,118 @@ void* map_segment(int fd, size_t bytes, const std::string& name) {
 // Closes the descriptor on every way out.
 struct Descriptor {
   int fd = -1;
-  ~Descriptor() {
+  Descriptor() = default;
+  explicit Descriptor(int fd) : fd(fd) {}
+  Descriptor(const Descriptor&) = delete;
+  Descriptor& operator=(const Descriptor&) = delete;
+  ~Descriptor() { reset(); }
+  void reset() {
     if (fd >= 0) ::close(fd);
+    fd = -1;
   }
 };
 
-// Rank 0: creates the segment, reserves its pages and writes the header.
-void create_segment(Descriptor& fd, ProcessTeamMemory& memory, const std::string& name,
-                    int world_size, const TeamOptions& options, size_t stride, size_t total) {
-  fd.fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd.fd < 0) {
-    TPF_FAIL("create_cpu_team: rank 0 cannot create shared memory "
-             << name << ": " << errno_text()
-             << (errno == EEXIST ? " (an id makes one team: make a new id with create_cpu_team_id)"
-                                 : ""));
+// The abstract socket address of a team's name: a leading NUL, then the name (no terminator).
+struct SocketAddress {
+  sockaddr_un address{};
+  socklen_t length = 0;
+  explicit SocketAddress(const std::string& name) {
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path + 1, name.data(), name.size());
+    length = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   }
-  // posix_fallocate reserves the pages: a full /dev/shm fails here with ENOSPC instead of
-  // raising SIGBUS at the first store into a page it cannot back.
-  const int reserve =
-      ::ftruncate(fd.fd, off_t(total)) != 0 ? errno : ::posix_fallocate(fd.fd, 0, off_t(total));
-  if (reserve != 0) {
-    ::shm_unlink(name.c_str());
-    TPF_FAIL("create_cpu_team: cannot reserve " << total << " bytes of shared memory for a team of "
-                                                << world_size << " (" << std::strerror(reserve)
-                                                << "); lower TeamOptions::packet_bytes (now "
-                                                << options.packet_bytes << ") or free /dev/shm");
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&address); }
+};
+static_assert(sizeof(IdFields::name) < sizeof(sockaddr_un::sun_path));
+
+// Rank 0's side of creation: the team's memory and the socket that hands its descriptor out.
+// Both close when it goes; the mappings keep the memory.
+class MemoryServer {
+ public:
+  // Listens on the name's socket first: a second team of one id fails before reserving memory.
+  MemoryServer(const std::string& name, int world_size) {
+    listener_.fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (listener_.fd < 0) {
+      TPF_FAIL("create_cpu_team: rank 0 cannot make a unix socket: " << errno_text());
+    }
+    const SocketAddress address(name);
+    if (::bind(listener_.fd, address.get(), address.length) != 0 ||
+        ::listen(listener_.fd, SOMAXCONN) != 0) {
+      TPF_FAIL("create_cpu_team: rank 0 cannot listen on the abstract socket @"
+               << name << ": " << errno_text()
+               << (errno == EADDRINUSE
+                       ? " (an id makes one team: make a new id with create_cpu_team_id)"
+                       : ""));
+    }
+    memory_.fd = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+    if (memory_.fd < 0) {
+      TPF_FAIL("create_cpu_team: rank 0 cannot create shared memory for a team of "
+               << world_size << " (memfd_create): " << errno_text());
+    }
   }
-  memory.base = map_segment(fd.fd, total, name);
+
+  // Sizes the memory and reserves its pages. posix_fallocate: memory that cannot be had fails
+  // here (ENOSPC, ENOMEM) instead of raising SIGBUS at the first store into a page that cannot be
+  // backed.
+  void reserve(size_t total, int world_size, const TeamOptions& options) {
+    const int failure = ::ftruncate(memory_.fd, off_t(total)) != 0
+                            ? errno
+                            : ::posix_fallocate(memory_.fd, 0, off_t(total));
+    if (failure != 0) {
+      TPF_FAIL("create_cpu_team: cannot reserve "
+               << total << " bytes of shared memory for a team of " << world_size << " ("
+               << std::strerror(failure) << "); lower TeamOptions::packet_bytes (now "
+               << options.packet_bytes << ") or free memory");
+    }
+  }
+  int memory() const { return memory_.fd; }
+
+  // Hands the descriptor to every rank that has connected, and returns when none waits. A rank
+  // whose handover fails sees its connection end and connects again.
+  void serve() const {
+    for (;;) {
+      const Descriptor connection(::accept4(listener_.fd, nullptr, nullptr, SOCK_CLOEXEC));
+      if (connection.fd < 0) return;  // EAGAIN: none waits
+      ucred peer{};
+      socklen_t length = sizeof(peer);
+      if (::getsockopt(connection.fd, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0 ||
+          (peer.uid != ::geteuid() && peer.uid != 0)) {
+        continue;  // another user's process: the memory is not theirs
+      }
+      char byte = 'T';  // a stream message carries at least one byte
+      iovec data{&byte, 1};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      msghdr message{};
+      message.msg_iov = &data;
+      message.msg_iovlen = 1;
+      message.msg_control = control;
+      message.msg_controllen = sizeof(control);
+      cmsghdr* rights = CMSG_FIRSTHDR(&message);
+      rights->cmsg_level = SOL_SOCKET;
+      rights->cmsg_type = SCM_RIGHTS;
+      rights->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(rights), &memory_.fd, sizeof(int));
+      ::sendmsg(connection.fd, &message, MSG_NOSIGNAL);
+    }
+  }
+
+  // Serves those still connected, then closes the socket (its name goes) and the descriptor.
+  void close() {
+    serve();
+    listener_.reset();
+    memory_.reset();
+  }
+
+ private:
+  Descriptor listener_;
+  Descriptor memory_;
+};
+
+// Rank 0: creates the memory, reserves its pages and writes the header.
+void create_memory(MemoryServer& server, ProcessTeamMemory& memory, int world_size,
+                   const TeamOptions& options, size_t stride, size_t total) {
+  server.reserve(total, world_size, options);
+  memory.base = map_memory(server.memory(), total);
   memory.bytes = total;
   SegmentHeader* header = memory.header();
   header->world_size = uint32_t(world_size);
@@ -183,43 +268,69 @@ void create_segment(Descriptor& fd, ProcessTeamMemory& memory, const std::string
   header->packet_bytes = options.packet_bytes;
   header->workspace_stride = stride;
   header->total_bytes = total;
-  store_release(&header->ready, 1);
 }
 
-// Ranks other than 0: opens rank 0's segment once it exists and is ready, and checks that this
-// rank was given what rank 0 was.
-void open_segment(Descriptor& fd, ProcessTeamMemory& memory, const std::string& name, int rank,
-                  int world_size, const TeamOptions& options, size_t total,
-                  const Deadline& deadline) {
+// Ranks other than 0: the memory's descriptor, from rank 0's socket once it listens; -1 if the
+// connection ended without one (rank 0 closed the socket or exited: the caller connects again).
+int receive_memory(const std::string& name, int rank, const TeamOptions& options,
+                   const Deadline& deadline) {
   const auto timed_out = [&](const char* what) {
     TPF_FAIL("create_cpu_team: rank " << rank << " waited " << options.peer_timeout_seconds
-                                      << " s for rank 0 to " << what << " (shared memory " << name
+                                      << " s for rank 0 to " << what << " (socket @" << name
                                       << "): did rank 0 get the same id, and is it running?");
   };
-  while ((fd.fd = ::shm_open(name.c_str(), O_RDWR, 0)) < 0) {
-    if (errno != ENOENT) {
-      TPF_FAIL("create_cpu_team: rank " << rank << " cannot open shared memory " << name << ": "
-                                        << errno_text());
+  const SocketAddress address(name);
+  Descriptor connection;
+  for (;;) {
+    connection.fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (connection.fd < 0) {
+      TPF_FAIL("create_cpu_team: rank " << rank << " cannot make a unix socket: " << errno_text());
     }
+    if (::connect(connection.fd, address.get(), address.length) == 0) break;
+    // ECONNREFUSED: nothing listens yet; EAGAIN: the backlog is full.
+    if (errno != ECONNREFUSED && errno != ENOENT && errno != EAGAIN) {
+      TPF_FAIL("create_cpu_team: rank " << rank << " cannot connect to rank 0's socket @" << name
+                                        << ": " << errno_text());
+    }
+    connection.reset();
     if (deadline.passed()) timed_out("create the team");
-    Deadline::pause();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  // Rank 0 may not have sized it yet: reading a page past the end would raise SIGBUS.
-  for (struct stat status{};; Deadline::pause()) {
-    if (::fstat(fd.fd, &status) != 0) TPF_FAIL("create_cpu_team: fstat failed: " << errno_text());
-    if (size_t(status.st_size) >= kPage) break;
-    if (deadline.passed()) timed_out("size the team's memory");
+  // Rank 0 serves connections between the steps of its own setup.
+  for (pollfd ready{connection.fd, POLLIN, 0}; ::poll(&ready, 1, 10) <= 0;) {
+    if (deadline.passed()) timed_out("set the team up");
   }
-  void* first_page = map_segment(fd.fd, kPage, name);
-  auto* header = static_cast<SegmentHeader*>(first_page);
-  while (load_acquire(&header->ready) == 0 && load_acquire(&header->abandoned) == 0) {
-    if (deadline.passed()) {
-      ::munmap(first_page, kPage);
-      timed_out("set the team up");
-    }
-    Deadline::pause();
+  char byte = 0;
+  iovec data{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr message{};
+  message.msg_iov = &data;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  if (::recvmsg(connection.fd, &message, MSG_CMSG_CLOEXEC) != 1) return -1;
+  const cmsghdr* rights = CMSG_FIRSTHDR(&message);
+  if (rights == nullptr || rights->cmsg_level != SOL_SOCKET || rights->cmsg_type != SCM_RIGHTS ||
+      rights->cmsg_len != CMSG_LEN(sizeof(int))) {
+    return -1;
   }
-  const SegmentHeader seen = *header;
+  int fd = -1;
+  std::memcpy(&fd, CMSG_DATA(rights), sizeof(int));
+  return fd;
+}
+
+// Ranks other than 0: maps rank 0's memory and checks that this rank was given what rank 0 was.
+void open_memory(ProcessTeamMemory& memory, const std::string& name, int rank, int world_size,
+                 const TeamOptions& options, size_t total, const Deadline& deadline) {
+  Descriptor fd;
+  while ((fd.fd = receive_memory(name, rank, options, deadline)) < 0) Deadline::pause();
+  struct stat status {};
+  if (::fstat(fd.fd, &status) != 0 || size_t(status.st_size) < kPage) {
+    TPF_FAIL("create_cpu_team: rank " << rank << " was sent no team memory by rank 0 (socket @"
+                                      << name << ")");
+  }
+  void* first_page = map_memory(fd.fd, kPage);
+  const SegmentHeader seen = *static_cast<const SegmentHeader*>(first_page);
   ::munmap(first_page, kPage);
   std::ostringstream differs;
   if (seen.world_size != uint32_t(world_size)) {
@@ -236,11 +347,12 @@ void open_segment(Descriptor& fd, ProcessTeamMemory& memory, const std::string& 
                                       << differs.str()
                                       << "; every rank must pass the same world_size and options");
   }
-  if (seen.total_bytes != total)
-    TPF_FAIL("create_cpu_team: segment " << name << " has another layout");
-  memory.base = map_segment(fd.fd, total, name);
+  if (seen.total_bytes != total || size_t(status.st_size) < total) {
+    TPF_FAIL("create_cpu_team: the team's memory (socket @" << name << ") has another layout");
+  }
+  memory.base = map_memory(fd.fd, total);
   memory.bytes = total;
-}
+}  // the mapping keeps the memory; the descriptor is not needed
 
 // The ranks that have not claimed their rank, or (`claimed`) those that have but not yet filled
 // their workspace: "2, 3".
@@ -262,10 +374,10 @@ std::string ranks_where(const SegmentHeader& header, int world_size, bool claime
 }  // namespace impl
 
 CpuTeamId create_cpu_team_id() {
-  impl::remove_stale_names();
   std::random_device entropy;
   std::ostringstream name;
-  name << impl::kNamePrefix << ::getpid() << "-" << std::hex << entropy() << entropy();
+  name << impl::kNamePrefix << std::hex;
+  for (int word = 0; word < 4; ++word) name << std::setw(8) << std::setfill('0') << entropy();
   impl::IdFields fields{};
   std::memcpy(fields.magic, impl::kIdMagic, sizeof(fields.magic));
   std::snprintf(fields.name, sizeof(fields.name), "%s", name.str().c_str());
@@ -285,7 +397,7 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size, const TeamOp
   std::memcpy(&fields, id.bytes, sizeof(fields));
   TPF_CHECK_ARG(std::memcmp(fields.magic, impl::kIdMagic, sizeof(fields.magic)) == 0 &&
                     std::memchr(fields.name, 0, sizeof(fields.name)) != nullptr &&
-                    std::strncmp(fields.name, impl::kNamePrefix, 8) == 0,
+                    std::strncmp(fields.name, impl::kNamePrefix, 7) == 0,
                 op, "id was not made by create_cpu_team_id");
   const std::string name = fields.name;
 
@@ -294,14 +406,13 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size, const TeamOp
   const size_t total = impl::kPage + size_t(world_size) * stride;
   const impl::Deadline deadline(options.peer_timeout_seconds);
   auto memory = std::make_shared<impl::ProcessTeamMemory>();
-  {
-    impl::Descriptor fd;
-    if (rank == 0) {
-      impl::create_segment(fd, *memory, name, world_size, options, stride, total);
-    } else {
-      impl::open_segment(fd, *memory, name, rank, world_size, options, total, deadline);
-    }
-  }  // the mapping keeps the segment; the descriptor is not needed
+  std::unique_ptr<impl::MemoryServer> server;
+  if (rank == 0) {
+    server = std::make_unique<impl::MemoryServer>(name, world_size);
+    impl::create_memory(*server, *memory, world_size, options, stride, total);
+  } else {
+    impl::open_memory(*memory, name, rank, world_size, options, total, deadline);
+  }
   impl::SegmentHeader* header = memory->header();
   if (impl::load_acquire(&header->abandoned) != 0) {
     TPF_FAIL("create_cpu_team: rank " << rank
@@ -323,12 +434,13 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size, const TeamOp
   // The peers get the whole timeout from here: this rank's own setup does not count against them.
   const impl::Deadline join_deadline(options.peer_timeout_seconds);
   while (impl::load_acquire(&header->joined) < uint32_t(world_size)) {
+    if (server) server->serve();
     const bool abandoned = impl::load_acquire(&header->abandoned) != 0;
     if (abandoned || join_deadline.passed()) {
       const std::string absent = impl::ranks_where(*header, world_size, false);
       const std::string filling = impl::ranks_where(*header, world_size, true);
       impl::store_release(&header->abandoned, 1);
-      ::shm_unlink(name.c_str());
+      if (server) server->close();  // those connected by now see the mark
       std::ostringstream why;
       if (abandoned) why << "another rank gave up waiting; ";
       if (!absent.empty()) why << "rank(s) " << absent << " did not join";
@@ -345,7 +457,7 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size, const TeamOp
     }
     impl::Deadline::pause();
   }
-  ::shm_unlink(name.c_str());  // every rank has it mapped; the first removal wins
+  if (server) server->close();  // every rank has it mapped: the socket's name goes
 
   const std::string fallback =
       options.peer_stores

@@ -1,20 +1,25 @@
-// The CPU backend across processes: teams over a shared-memory segment (create_cpu_team(id,
+// The CPU backend across processes: teams over one block of shared memory (create_cpu_team(id,
 // rank, world_size)). First the property suites on such a team joined from threads (every rank
 // with a mapping of its own), then real processes (fork): the thread team's bits, a peer that
-// dies, a rank that never joins, ranks given different arguments, and no segment left behind.
+// dies, a rank that never joins, a rank 0 that starts late, ranks given different arguments, and
+// nothing left behind, even when every rank is killed while the team is being made.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -180,10 +185,65 @@ std::vector<std::string> run_processes(int world, const std::function<void(int r
   return outcomes;
 }
 
-// Whether a shared-memory name of this id is still in /dev/shm.
-bool segment_listed(const CpuTeamId& id) {
-  const std::string name = id.bytes + 16;  // IdFields: the magic, then "/tpfuse-..."
-  return std::filesystem::exists("/dev/shm" + name);
+// The team's name in an id (IdFields: the magic, then "tpfuse-<random>"): rank 0's abstract
+// socket and the memory's memfd name.
+std::string team_name(const CpuTeamId& id) {
+  return id.bytes + 16;
+}
+
+// Whether rank 0's socket is open: Linux lists abstract names in /proc/net/unix as "@name".
+bool socket_listed(const std::string& name) {
+  std::ifstream sockets("/proc/net/unix");
+  for (std::string line; std::getline(sockets, line);) {
+    const size_t at = line.rfind(" @");
+    if (at != std::string::npos && line.substr(at + 2) == name) return true;
+  }
+  return false;
+}
+
+// The processes of this host that hold the team's memory, by descriptor or mapping (a memfd
+// shows as "/memfd:<name> (deleted)"): once none does, the kernel has freed it.
+std::vector<pid_t> memory_holders(const std::string& name) {
+  const std::string memfd = "/memfd:" + name + " ";
+  std::vector<pid_t> holders;
+  std::error_code ignored;
+  for (const auto& process : std::filesystem::directory_iterator("/proc", ignored)) {
+    const pid_t pid = pid_t(std::strtol(process.path().filename().c_str(), nullptr, 10));
+    if (pid <= 0) continue;
+    bool holds = false;
+    for (const auto& fd : std::filesystem::directory_iterator(process.path() / "fd", ignored)) {
+      holds = holds ||
+              (std::filesystem::read_symlink(fd.path(), ignored).string() + " ").find(memfd) == 0;
+    }
+    std::ifstream maps(process.path() / "maps");
+    for (std::string line; !holds && std::getline(maps, line);) {
+      holds = (line + " ").find(memfd) != std::string::npos;
+    }
+    if (holds) holders.push_back(pid);
+  }
+  return holders;
+}
+
+// The entries of /dev/shm whose name contains `part`.
+std::vector<std::string> shm_entries(const std::string& part) {
+  std::vector<std::string> entries;
+  std::error_code ignored;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ignored)) {
+    const std::string file = entry.path().filename().string();
+    if (file.find(part) != std::string::npos) entries.push_back(file);
+  }
+  return entries;
+}
+
+// What a team of this id left behind on the host once its processes are gone: its socket, a
+// process holding its memory, a file in /dev/shm; "" if nothing.
+std::string left_behind(const CpuTeamId& id) {
+  const std::string name = team_name(id);
+  std::ostringstream left;
+  if (socket_listed(name)) left << "the socket @" << name << "; ";
+  for (pid_t pid : memory_holders(name)) left << "the memory, held by process " << pid << "; ";
+  for (const std::string& file : shm_entries(name)) left << "/dev/shm/" << file << "; ";
+  return left.str();
 }
 
 // One rank of a team in this process: the CPU harness's memory, driving only `rank`.
@@ -264,6 +324,8 @@ TEST(ProcessTeam, ProcessesGiveTheFloat64ReferenceAndTheThreadTeamsBits) {
     const CpuTeamId id = create_cpu_team_id();
     const std::vector<std::string> outcomes = run_processes(world, [&](int rank) {
       OneRankHarness harness(create_cpu_team(id, rank, world, small_options()), world);
+      // Rank 0 closes its socket once every rank has joined: the team has no name while it runs.
+      if (rank == 0) EXPECT_FALSE(socket_listed(team_name(id)));
       OneShotRunner runner(harness);
       char* at = area.data() + size_t(rank) * per_rank;
       for (size_t c = 0; c < specs.size(); ++c) {
@@ -277,7 +339,7 @@ TEST(ProcessTeam, ProcessesGiveTheFloat64ReferenceAndTheThreadTeamsBits) {
       }
     });
     for (int r = 0; r < world; ++r) ASSERT_EQ(outcomes[r], "") << "rank " << r;
-    EXPECT_FALSE(segment_listed(id)) << "the team's shared-memory name outlived its creation";
+    EXPECT_EQ(left_behind(id), "") << "the team outlived its processes";
     std::vector<const char*> at(static_cast<size_t>(world));
     for (int r = 0; r < world; ++r) at[r] = area.data() + size_t(r) * per_rank;
     for (size_t c = 0; c < specs.size(); ++c) {
@@ -349,7 +411,7 @@ TEST(ProcessTeam, PeerThatDiesIsReportedAsMissingNamingItsProcess) {
           << error;
     }
   }
-  EXPECT_FALSE(segment_listed(id));
+  EXPECT_EQ(left_behind(id), "");
 }
 
 TEST(ProcessTeam, RankThatNeverJoinsIsNamedAndNothingIsLeftBehind) {
@@ -361,7 +423,40 @@ TEST(ProcessTeam, RankThatNeverJoinsIsNamedAndNothingIsLeftBehind) {
   for (int rank = 0; rank < 2; ++rank) {
     EXPECT_TRUE(contains(outcomes[rank], "rank(s) 2 did not join within 0.5 s")) << outcomes[rank];
   }
-  EXPECT_FALSE(segment_listed(id));
+  EXPECT_EQ(left_behind(id), "");
+}
+
+// A rank that gives up marks the memory abandoned: a rank still waiting with a longer timeout
+// sees the mark and throws too, naming the rank that did not join.
+TEST(ProcessTeam, ARankGivingUpEndsTheWaitOfTheOthers) {
+  const CpuTeamId id = create_cpu_team_id();
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::string> outcomes = run_processes(3, [&](int rank) {
+    if (rank == 2) return;  // never joins
+    create_cpu_team(id, rank, 3, small_options(rank == 0 ? 60.0 : 0.5));
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_TRUE(contains(outcomes[1], "rank(s) 2 did not join within 0.5 s")) << outcomes[1];
+  EXPECT_TRUE(contains(outcomes[0], "another rank gave up waiting; rank(s) 2 did not join"))
+      << outcomes[0];
+  EXPECT_EQ(left_behind(id), "");
+}
+
+// Rank 1 connects to rank 0's socket until rank 0 listens: a rank 0 that starts late is waited
+// for, up to the deadline.
+TEST(ProcessTeam, RankZeroStartingLongAfterRankOneStillMakesTheTeam) {
+  const CpuTeamId id = create_cpu_team_id();
+  SharedArea calls(2 * kMessageBytes);
+  const std::vector<std::string> outcomes = run_processes(2, [&](int rank) {
+    if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const Team team = create_cpu_team(id, rank, 2, small_options(10.0));
+    std::snprintf(calls.data() + rank * kMessageBytes, kMessageBytes, "%s", one_call(team).c_str());
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(outcomes[rank], "") << "rank " << rank;
+    EXPECT_STREQ(calls.data() + rank * kMessageBytes, "") << "rank " << rank;
+  }
+  EXPECT_EQ(left_behind(id), "");
 }
 
 TEST(ProcessTeam, RanksGivenDifferentArgumentsAreTold) {
@@ -375,7 +470,7 @@ TEST(ProcessTeam, RanksGivenDifferentArgumentsAreTold) {
     EXPECT_TRUE(contains(outcomes[1], "in options.packet_bytes: 262144 on rank 0, 524288 here"))
         << outcomes[1];
     EXPECT_TRUE(contains(outcomes[0], "rank(s) 1 did not join")) << outcomes[0];
-    EXPECT_FALSE(segment_listed(id));
+    EXPECT_EQ(left_behind(id), "");
   }
   {
     const CpuTeamId id = create_cpu_team_id();
@@ -386,41 +481,60 @@ TEST(ProcessTeam, RanksGivenDifferentArgumentsAreTold) {
   }
 }
 
-// A rank 0 killed while its team is being made leaves the segment's name behind (nothing ran
-// its cleanup); the next id made on the host removes the names whose creator has exited.
-TEST(ProcessTeam, ANameLeftByAKilledCreatorIsRemovedByTheNextId) {
-  auto* shared = static_cast<CpuTeamId*>(::mmap(nullptr, sizeof(CpuTeamId), PROT_READ | PROT_WRITE,
-                                                MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  ASSERT_NE(shared, MAP_FAILED);
-  std::memset(shared, 0, sizeof(CpuTeamId));
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    *shared = create_cpu_team_id();  // named after this process
-    try {
-      create_cpu_team(*shared, 0, 2, small_options(60.0));  // waits for a rank 1 that never comes
-    } catch (...) {
+// Every rank killed while the team is being made (rank 0 waiting for a rank that never comes,
+// with the memory in its hands and in those of the ranks that joined): nothing ran a cleanup,
+// and still nothing is left, no file in /dev/shm, no socket, no process holding the memory (the
+// test process never holds it: it forks the ranks and makes only the id). The kernel frees what
+// no process holds.
+TEST(ProcessTeam, EveryRankKilledWhileTheTeamIsMadeLeavesNothing) {
+  for (const int joining : {1, 2}) {  // world 2: rank 0 alone; world 3: ranks 0 and 1
+    const int world = joining + 1;
+    SCOPED_TRACE("world " + std::to_string(world) + ", ranks below " + std::to_string(joining) +
+                 " killed, rank " + std::to_string(joining) + " never joins");
+    const CpuTeamId id = create_cpu_team_id();
+    const std::string name = team_name(id);
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::vector<pid_t> children;
+    for (int rank = 0; rank < joining; ++rank) {
+      const pid_t child = ::fork();
+      ASSERT_GE(child, 0);
+      if (child == 0) {
+        try {
+          create_cpu_team(id, rank, world, small_options(60.0));  // waits for the missing rank
+        } catch (...) {
+        }
+        ::_exit(0);
+      }
+      children.push_back(child);
     }
-    ::_exit(0);
+    // Wait until every joining rank maps the memory and rank 0 listens.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    std::vector<pid_t> holders;
+    bool listening = false;
+    while (std::chrono::steady_clock::now() < deadline) {
+      holders = memory_holders(name);
+      listening = socket_listed(name);
+      if (listening && holders.size() >= children.size()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    for (pid_t child : children) ::kill(child, SIGKILL);
+    for (pid_t child : children) {
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      EXPECT_TRUE(WIFSIGNALED(status)) << "process " << child << " ended before it was killed";
+    }
+    ASSERT_TRUE(listening) << "rank 0 never listened on @" << name;
+    std::sort(holders.begin(), holders.end());
+    std::vector<pid_t> expected = children;
+    std::sort(expected.begin(), expected.end());
+    ASSERT_EQ(holders, expected) << "the ranks, and only they, hold the memory while they wait";
+    EXPECT_EQ(left_behind(id), "");
+    for (pid_t child : children) {
+      EXPECT_TRUE(shm_entries("tpfuse-" + std::to_string(child) + "-").empty())
+          << "a /dev/shm file of process " << child;
+    }
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!(shared->bytes[0] != 0 && segment_listed(*shared)) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  const bool created = segment_listed(*shared);
-  ::kill(child, SIGKILL);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  const CpuTeamId left = *shared;
-  ::munmap(shared, sizeof(CpuTeamId));
-  ASSERT_TRUE(created) << "rank 0 never created its segment";
-  EXPECT_TRUE(segment_listed(left))
-      << "the killed creator's name is expected to stay until a sweep";
-  create_cpu_team_id();
-  EXPECT_FALSE(segment_listed(left)) << "the next id did not remove the dead creator's name";
 }
 
 TEST(ProcessTeam, WaitingForAMissingRankZeroEnds) {
@@ -456,11 +570,19 @@ TEST(ProcessTeam, BadArgumentsAreNamed) {
                        "options.packet_bytes must be a positive multiple of 16"));
   // A rank that joins twice: one of the two is refused, and the team completes with the other.
   // Rank 2 joins only once the refusal is in, so that both joins of rank 1 find the team still
-  // being made (a join after the team is complete finds no segment: its name is gone).
+  // being made (a join after the team is complete finds no socket: rank 0 has closed it).
   std::vector<Team> team(4);
   std::string joins[2];
   std::atomic<int> returned{0};
   std::thread first([&] { team[0] = create_cpu_team(id, 0, 3, small_options(10.0)); });
+  // A second rank 0 of the id finds the first one's socket: an id makes one team.
+  const auto listening = std::chrono::steady_clock::now();
+  while (!socket_listed(team_name(id)) &&
+         std::chrono::steady_clock::now() - listening < std::chrono::seconds(8)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(contains(error_of([&] { create_cpu_team(id, 0, 3, small_options(10.0)); }),
+                       "an id makes one team"));
   std::vector<std::thread> rank_one;
   for (int j = 0; j < 2; ++j) {
     rank_one.emplace_back([&, j] {

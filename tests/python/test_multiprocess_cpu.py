@@ -22,6 +22,7 @@ from model import rope  # noqa: E402
 from spawned_ranks import run_ranks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, ROTARY_DIM, HIDDEN, TOKENS = 8, 2, 64, 32, 256, 5
+PEER_TIMEOUT_SECONDS = 600.0
 
 
 def _layer(x, residual, weight, qkv, q_weight, k_weight, q_size, kv_size, world, positions, cache,
@@ -202,14 +203,24 @@ def _rank_main(rank, world, store_path, failures):
         torch._functorch.config.enable_autograd_cache = False
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                                 world_size=world)
-        team = tpfuse.Team.from_group()
+        # A generous peer timeout: each rank compiles the layer before its first call in it, and
+        # on a loaded machine one rank may get there many seconds after another (the timeout
+        # itself is tested with short ones in test_torch_ops_cpu.py and the C++ tests).
+        team = tpfuse.Team.from_group(peer_timeout_seconds=PEER_TIMEOUT_SECONDS)
         assert (team.rank, team.world_size) == (rank, world), team
         assert team.peer_memory == "shared memory" and team.fallback_reason == "", team
         _check_ops(team, rank, world)
         _check_compiled_layer(team, rank, world)
-        # Wrong backends are named before anything is made.
+        # Wrong backends are named before anything is made. backend='cuda' over this gloo group
+        # is refused for what the machine lacks: CUDA itself where there is none; else, whatever
+        # the number of GPUs, a GPU a rank, since no rank here chose one (every rank is on
+        # cuda:0).
+        if torch.cuda.is_available():
+            cuda_refusal = "both use cuda:0; call torch.cuda.set_device(<this rank's GPU>) first"
+        else:
+            cuda_refusal = "backend 'cuda' needs CUDA"
         for backend, message in (("tpu", "backend must be 'cuda' or 'cpu'"),
-                                 ("cuda", "needs")):
+                                 ("cuda", cuda_refusal)):
             try:
                 tpfuse.Team.from_group(backend=backend)
                 raise AssertionError(f"backend {backend!r} was accepted")

@@ -58,7 +58,9 @@ def _rank_main(rank, world, store_path, failures):
             "nccl", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
             device_id=torch.device("cuda", rank),
         )
-        team = tpfuse.Team.from_group()
+        # A generous peer timeout: each rank compiles the layer before its first call in it (a
+        # compiling peer is not a dead one; the timeout itself is tested with short ones).
+        team = tpfuse.Team.from_group(peer_timeout_seconds=600.0)
         assert team.fallback_reason == "", team.fallback_reason
         assert team.world_size == world and team.rank == rank
 

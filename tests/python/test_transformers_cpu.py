@@ -32,6 +32,7 @@ from spawned_ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 LAYERS = 2
+PEER_TIMEOUT_SECONDS = 600.0
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
@@ -118,7 +119,11 @@ def _rank_main(rank, world, store_path, failures):
         torch._functorch.config.enable_autograd_cache = False
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                                 world_size=world)
-        team = tpfuse.Team.from_group()
+        # A generous peer timeout: each rank compiles every model before its first call in it, and
+        # on a loaded machine one rank reached Inductor 23 s after the other (CI, with the default
+        # 10 s: "rank 1: a call timed out waiting for rank 0"). A compiling peer is not a dead one;
+        # the timeout itself is tested with short ones elsewhere.
+        team = tpfuse.Team.from_group(peer_timeout_seconds=PEER_TIMEOUT_SECONDS)
         for name in ("llama", "qwen3", "minimax_m2"):
             _check_model(name, team, rank, world)
         team.close()
