@@ -1662,6 +1662,20 @@ int64_t env_int(const char* name, int64_t fallback) {
   return value != nullptr && value[0] != '\0' ? std::strtoll(value, nullptr, 10) : fallback;
 }
 
+// What a crash of this process (thread teams) prints: the sequence it was in.
+char crash_note[512];
+
+void print_crash_note(int signal) {
+  const ssize_t ignored = ::write(2, crash_note, std::strlen(crash_note));
+  (void)ignored;
+  ::signal(signal, SIG_DFL);
+  ::raise(signal);
+}
+
+void install_crash_note() {
+  for (int signal : {SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL}) ::signal(signal, print_crash_note);
+}
+
 struct RunShape {
   int min_world, max_world;
   int64_t default_calls;
@@ -1719,7 +1733,17 @@ void run_faults(Mode mode, const RunShape& shape, uint64_t base_seed) {
     }
   }
   int64_t calls = 0, rank_calls = 0;
+  install_crash_note();
   for (const Sequence& s : sequences) {
+    if (env_int("TPFUSE_FAULT_PRINT", 0) != 0) {
+      for (const Step& step : s.steps) std::fprintf(stderr, "  %s\n", describe(step, s.world).c_str());
+    }
+    std::snprintf(crash_note, sizeof(crash_note),
+                  "\ntest_fault_random: crashed in the sequence of seed %llu (world %d, %zu "
+                  "steps); TPFUSE_FAULT_SEED=%llu TPFUSE_FAULT_STEPS=%zu re-runs it, "
+                  "TPFUSE_FAULT_PRINT=1 lists its steps, and the process test shrinks crashes\n",
+                  static_cast<unsigned long long>(s.seed), s.world, s.steps.size(),
+                  static_cast<unsigned long long>(s.seed), s.steps.size());
     const std::vector<Failure> failures = run_sequence(s, mode);
     calls += calls_of(s);
     rank_calls += int64_t(calls_of(s)) * s.world;
