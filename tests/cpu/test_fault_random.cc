@@ -24,7 +24,7 @@
 //   TPFUSE_FAULT_SEED=s TPFUSE_FAULT_STEPS=n [TPFUSE_FAULT_WORLD=w] [TPFUSE_FAULT_KEEP=i,j,..]
 // runs the one sequence of seed s (n steps, only steps i, j, ... kept, on world w);
 // TPFUSE_FAULT_CALLS sets how many calls the bounded run makes; TPFUSE_FAULT_NO_SHRINK=1 skips
-// the shrinking.
+// the shrinking; TPFUSE_FAULT_SURVEY=1 runs every sequence and prints each one's first failure.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -468,7 +468,7 @@ CallData make_data(const Call& c, int world) {
     const int64_t rotary = c.half_rotary ? c.head_dim / 2 : c.head_dim;
     d.cos_sin.resize(size_t(d.max_position * rotary));
     for (float& x : d.cos_sin) x = integer(8) / 8;
-    d.positions.resize(size_t(std::max<int64_t>(c.tokens, 0)));
+    d.positions.resize(size_t(std::max<int64_t>(c.tokens, 1)));  // never null: rope needs it
     for (int64_t& p : d.positions) p = int64_t(rng() % uint64_t(d.max_position));
   }
   return d;
@@ -1736,7 +1736,8 @@ void run_faults(Mode mode, const RunShape& shape, uint64_t base_seed) {
   install_crash_note();
   for (const Sequence& s : sequences) {
     if (env_int("TPFUSE_FAULT_PRINT", 0) != 0) {
-      for (const Step& step : s.steps) std::fprintf(stderr, "  %s\n", describe(step, s.world).c_str());
+      for (const Step& step : s.steps)
+        std::fprintf(stderr, "  %s\n", describe(step, s.world).c_str());
     }
     std::snprintf(crash_note, sizeof(crash_note),
                   "\ntest_fault_random: crashed in the sequence of seed %llu (world %d, %zu "
@@ -1748,6 +1749,11 @@ void run_faults(Mode mode, const RunShape& shape, uint64_t base_seed) {
     calls += calls_of(s);
     rank_calls += int64_t(calls_of(s)) * s.world;
     if (failures.empty()) continue;
+    if (env_int("TPFUSE_FAULT_SURVEY", 0) != 0) {  // every sequence's first failure, no shrink
+      ADD_FAILURE() << "seed " << s.seed << " (world " << s.world << "): " << failures.front().rule
+                    << ": " << failures.front().detail;
+      continue;
+    }
     const Sequence generated = generate(
         s.seed,
         int(seed >= 0 ? env_int("TPFUSE_FAULT_STEPS", kStepsPerSequence) : kStepsPerSequence),
