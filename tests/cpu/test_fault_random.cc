@@ -804,6 +804,8 @@ class TeamSource {
   virtual ~TeamSource() = default;
   // Team number `index` of the sequence; throws tpfuse::Error if it cannot be made.
   virtual Team make(int index, int rank, const TeamOptions& options) = 0;
+  // Where the ranks of a sequence that went wrong agree to stop (see run_rank).
+  virtual std::atomic<int>& stop_before() = 0;
 };
 
 // A barrier in memory every rank maps (a process's shared mapping, or plain memory for threads).
@@ -811,6 +813,7 @@ struct SharedBarrier {
   std::atomic<uint32_t> count{0};
   std::atomic<uint32_t> generation{0};
   std::atomic<uint32_t> abort{0};
+  std::atomic<int> stop_before{1 << 30};
 
   void wait(int world) {
     const uint32_t generation_seen = generation.load();
@@ -877,7 +880,21 @@ void run_rank(const Sequence& s, int rank, TeamSource& source,
       return;
     }
   }
-  for (const Step& step : s.steps) {
+  // A call that waited out a timeout where no peer was late means the ranks no longer make the
+  // same calls (a lost turn): every later call would wait its timeout too. The verifier reports
+  // the first failure, at or before this step; the ranks stop a few steps later (they are at
+  // most a call or two apart), so that a broken run ends in seconds.
+  const auto note_timeout = [&](const Outcome& o, size_t position) {
+    if (o.threw && o.seconds >= 0.9 * kLongTimeout) {
+      int expected = source.stop_before().load();
+      const int stop = int(position) + 3;
+      while (stop < expected && !source.stop_before().compare_exchange_weak(expected, stop)) {
+      }
+    }
+  };
+  for (size_t position = 0; position < s.steps.size(); ++position) {
+    if (int(position) >= source.stop_before().load()) return;
+    const Step& step = s.steps[position];
     switch (step.kind) {
       case Step::kNewTeam:
         config = step.config;
@@ -902,10 +919,15 @@ void run_rank(const Sequence& s, int rank, TeamSource& source,
                                   ? int(size_t(step.variant) % bad.size())
                                   : -1;
         const bool reject = faulty && step.fault == Fault::kRejectCall;
-        record(execute(team, call_of(step, rank, s.world), rank, s.world, bad_index, reject, 0));
+        const Outcome outcome =
+            execute(team, call_of(step, rank, s.world), rank, s.world, bad_index, reject, 0);
+        note_timeout(outcome, position);
+        record(outcome);
         if (step.fault == Fault::kDisagree) {
           record(check_outcome(team));
-          record(probe(team, rank));
+          const Outcome next = probe(team, rank);
+          note_timeout(next, position);
+          record(next);
           make(config, kLongTimeout, team);
         }
         break;
@@ -941,6 +963,7 @@ class ThreadTeams : public TeamSource {
     barrier_.wait(world_);  // every rank has its handle before rank 0 makes the next team
     return team;
   }
+  std::atomic<int>& stop_before() override { return barrier_.stop_before; }
   SharedBarrier barrier_;
 
  private:
@@ -997,6 +1020,7 @@ class ProcessTeams : public TeamSource {
     shared_->barrier.wait(world_);
     return create_cpu_team(shared_->ids()[index], rank, world_, options);
   }
+  std::atomic<int>& stop_before() override { return shared_->barrier.stop_before; }
 
  private:
   ProcessShared* shared_;
@@ -1609,7 +1633,7 @@ Sequence restrict(const Sequence& s, const std::vector<size_t>& positions, int w
 
 // Delta debugging: the fewest steps and the lowest world that still fail `rule`.
 Sequence shrink(const Sequence& failing, Mode mode, const Failure& first, int min_world) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   int trials = 0;
   const auto still_fails = [&](const Sequence& candidate) {
     if (trials++ > 300 || std::chrono::steady_clock::now() > deadline) return false;
