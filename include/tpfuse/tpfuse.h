@@ -11,11 +11,18 @@
 //
 // Promises (tested): every rank gets bitwise-identical outputs; the same inputs give the same
 // bits on every call; sums are accumulated in fp32 in rank order 0..W-1 and rounded once.
-// Bad arguments throw tpfuse::Error naming the argument before any work is queued; the rank
-// still takes its turn in the fused call (no data), so its peers' call ends at once with NaN
-// outputs and an error (Team::check) instead of a timeout, and the team goes on. Ranks whose
-// fused calls disagree (op, algorithm, dtype, epilogue, tokens, widths, eps) get NaN outputs and
-// an error naming the peer and the field, and the team is failed.
+// Correct or loud: call k of a rank is only ever combined with call k of each peer (every call
+// carries its number and signature in a header). Bad arguments throw tpfuse::Error naming the
+// argument before any write; the rank still takes its turn in the call (no data), so its peers'
+// call ends at once with NaN in every output and an error naming it, and the team goes on.
+// Ranks whose calls disagree (op, algorithm, dtype, epilogue, tokens, widths, eps) get an error
+// naming the peer and the field, and a peer that does not arrive within the timeout an error
+// naming it; either fails the team on every rank: the rank that saw it announces it (a mark in
+// every peer's workspace), so every later call of every rank is refused before it writes
+// anything (a late peer never meets a call its peers gave up on) and every Team::check throws.
+// A failed team stays failed: create a new one. On the CPU backend every output of a call that
+// failed once begun is NaN; on the GPU a wait that ends without data gives NaN, and Team::check
+// tells the failure (a disagreeing peer's data may have reached some blocks' outputs).
 //
 // Threads: a call blocks its thread on the CPU backend until every rank has made it, so an
 // in-process CPU team needs one thread per rank (CUDA calls only queue work).
@@ -71,10 +78,14 @@ struct TeamOptions {
   // Bytes of one rank's packet in one Lamport slot: the largest message (tokens * hidden *
   // element size) a one-shot call can carry. Each rank allocates 3 slots * world_size * this, so
   // the default (16 MiB) costs 96 MiB per GPU at world size 2 and 384 MiB at 8; it holds 2730
-  // tokens of hidden 3072 in bf16.
+  // tokens of hidden 3072 in bf16. A multiple of 16 in [16, 2^40]; a message a fused path cannot
+  // carry goes to the NCCL path (the CPU backend's carries it a packet at a time), or is refused
+  // before any write where there is none.
   size_t packet_bytes = size_t{16} << 20;
-  // How long a rank waits for a peer's packet before it gives up, marks the team failed and
-  // reports the missing rank (Team::check). 0 waits forever.
+  // How long a rank waits for a peer's packet before it gives up, marks the team failed on every
+  // rank and reports the missing rank (Team::check). 0 waits forever. At most a year. Allow for
+  // a peer's slowest first call (a compile, a warm-up): a call that is late by more than this is
+  // a dead peer to the team.
   double peer_timeout_seconds = 10.0;
   // false: ranks never store into each other's memory; every op runs through NCCL (for hosts
   // where P2P is known to be unreliable). true: the team proves at creation, with a
@@ -83,7 +94,8 @@ struct TeamOptions {
   bool peer_stores = true;
   // How long the creation handshake waits for a peer's store.
   double handshake_timeout_seconds = 5.0;
-  PeerMemory peer_memory = PeerMemory::kAuto;  // multi-process teams only
+  // Multi-process teams only (create_cuda_team(id, ...) has only kCudaIpc: kAuto means it).
+  PeerMemory peer_memory = PeerMemory::kAuto;
 };
 
 namespace impl {
@@ -116,14 +128,15 @@ class Team {
   const std::string& fallback_reason() const;
   // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
   // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
-  // ipc" (multi-process), or "none" (NCCL only).
+  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), or
+  // "none" (NCCL only).
   const std::string& peer_memory() const;
-  // Synchronizes with the rank's device work, then throws tpfuse::Error if a call of this rank
-  // failed the team: a peer did not arrive in time (naming it), or a peer's call disagreed with
-  // this rank's (naming the peer, the field and both values). A failed team stays failed: create
-  // a new one. Also throws, once, if a peer rejected its part of a call since the last check:
-  // this rank's outputs of that call are NaN, and the team goes on. (The CPU backend throws all
-  // of these from the call itself.)
+  // Synchronizes with the rank's device work, then throws tpfuse::Error if the team failed: a
+  // peer did not arrive in time (naming it), a peer's call disagreed with this rank's (naming the
+  // peer, the field and both values), or a peer announced such a failure of its own (naming it
+  // and what it saw). A failed team stays failed: create a new one. Also throws, once, if a peer
+  // rejected its part of a call since the last check: this rank's outputs of that call are NaN,
+  // and the team goes on. (The CPU backend throws all of these from the call itself.)
   void check() const;
 
   impl::TeamState* state() const { return state_.get(); }
@@ -156,6 +169,25 @@ Team create_cpu_team(const CpuTeamId& id, int rank, int world_size,
 // is an error naming the pair). Rank i is devices[i].
 std::vector<Team> create_cuda_team(const std::vector<int>& devices,
                                    const TeamOptions& options = {});
+
+// A CUDA team of one rank per process on this host, made without NCCL: rank `rank` of
+// `world_size` on CUDA device `device` (this process's ordinal). Peer memory is CUDA IPC
+// (cudaIpcGetMemHandle / cudaIpcOpenMemHandle); ranks may share a device (several processes on
+// one GPU: their kernels then time-slice, so keep token counts small), and ranks on different
+// devices need P2P between them (its absence is an error naming the pair). The id comes from
+// create_cpu_team_id(), made on one rank and passed to the others through any channel; the
+// creation is collective and bootstraps over a CPU team of the same id (shared memory). Each of
+// its waits for the peers lasts up to options.peer_timeout_seconds + handshake_timeout_seconds
+// (0 peer timeout: forever; processes sharing a GPU set up seconds apart): a rank that never
+// joins is named by the others. Every rank must pass the same world_size and options
+// (packet_bytes, peer_stores, peer_memory; a difference is an error on every rank naming the
+// rank and field); calls time out after peer_timeout_seconds as on other teams. This team has no
+// NCCL path: it never falls back (fallback_reason() is empty, peer_memory() is "cuda ipc"),
+// options.peer_stores must be true, and a call the workspace cannot carry
+// (TeamOptions::packet_bytes) is refused with an error before any work, as is Algorithm::kNccl. GPU
+// memory per rank: 3 * world_size * packet_bytes.
+Team create_cuda_team(const CpuTeamId& id, int rank, int world_size, int device,
+                      const TeamOptions& options = {});
 
 // A team of one rank per process over an NCCL communicator the caller already has: the team
 // lives on the communicator's device, uses it for its symmetric workspace, the creation
@@ -235,7 +267,8 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 // say): it takes its turn without data, where the call would have been, so that the peers' call
 // ends at once (NaN outputs, Team::check reports this rank) and the team goes on. The tpfuse ops
 // do this themselves when they reject their arguments. On the CPU it blocks until the peers'
-// calls arrive. Nothing happens on a team without peer stores (its calls run through NCCL).
+// calls arrive (on any path: the CPU's NCCL stand-in takes turns too). Nothing happens on a CUDA
+// team's NCCL path (NCCL's all-reduce has no turn to take: ranks there must make the same call).
 void reject_call(const Team& team, cudaStream_t stream = nullptr);
 
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).

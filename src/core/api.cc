@@ -239,10 +239,27 @@ const TeamState& team_of(const Team& team, const char* op) {
   return *team.state();
 }
 
-// Whether this rank's turn in a call can be taken without data: the team exchanges through peer
-// stores, has peers and has not failed.
+// Whether this rank's turn in a call can be taken without data: the team has peers, has not
+// failed, and exchanges through peer stores (or its NCCL path takes turns too, as the CPU's
+// stand-in does).
 bool takes_turns(const TeamState& state) {
-  return state.fused && state.world_size() > 1 && !team_failed(state);
+  return state.world_size() > 1 && !team_failed(state) &&
+         (state.fused || state.ops->nccl_path_takes_turns());
+}
+
+// Whether a rejected call's turn reaches its peers when their call goes to `algorithm`.
+bool turn_reaches(const TeamState& state, Algorithm algorithm) {
+  return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns();
+}
+
+// A collective call on a team that has failed (here, or announced by a peer and seen by a call
+// of this rank) is refused before anything is written.
+void refuse_if_failed(const TeamState& state) {
+  if (state.world_size() > 1 && team_failed(state)) {
+    throw RefusedCall(
+        describe_failure(*state.exchange.errors, state.rank(), state.device, peer_note(state)) +
+        "; this call was refused and wrote nothing");
+  }
 }
 
 // The absent call of a rejected call, where the team takes turns. A turn that cannot be queued
@@ -261,13 +278,13 @@ void queue_rejected_turn(const TeamState& state, cudaStream_t stream) {
 // asked for it, or its own shape would go there), where a turn means nothing.
 void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tokens, int64_t hidden,
                         DType dtype, cudaStream_t stream, const char* op) {
-  if (!takes_turns(state) || requested == Algorithm::kNccl) return;
+  if (!takes_turns(state) || !turn_reaches(state, requested)) return;
   // Only a well-formed shape says where the peers' call goes; a malformed one is this rank's
   // alone, and the peers' well-formed calls run fused.
   const bool shape_valid = tokens >= 0 && hidden > 0 && hidden <= kMaxHidden &&
                            hidden % kHiddenMultiple == 0 && is_known(dtype);
   if (requested == Algorithm::kAuto && shape_valid &&
-      choose_algorithm(state, tokens, hidden, dtype, requested, op) == Algorithm::kNccl) {
+      !turn_reaches(state, choose_algorithm(state, tokens, hidden, dtype, requested, op))) {
     return;
   }
   queue_rejected_turn(state, stream);
@@ -305,17 +322,17 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
     }
     return algorithm;
   }
-  if (algorithm == Algorithm::kNccl || algorithm == Algorithm::kAuto) {
-    if (args.tokens > 0) {
-      state.ops->nccl_path(state, make_row_call(&state, args), args.dtype, epilogue, stream);
-    }
-    return algorithm;  // no tokens: every rank skips alike, NCCL is not called
-  }
-  const CallOp call_op =
-      algorithm == Algorithm::kOneShot ? CallOp::kRowsOneShot : CallOp::kRowsTwoShot;
+  refuse_if_failed(state);
+  const CallOp call_op = algorithm == Algorithm::kOneShot   ? CallOp::kRowsOneShot
+                         : algorithm == Algorithm::kTwoShot ? CallOp::kRowsTwoShot
+                                                            : CallOp::kNccl;
   RowCall call = make_row_call(&state, args);
   call.signature = row_signature(call_op, args.dtype, epilogue, args.tokens, args.hidden, args.eps,
                                  args.quant, args.moe_topk);
+  if (call_op == CallOp::kNccl) {
+    if (args.tokens > 0) state.ops->nccl_path(state, call, args.dtype, epilogue, stream);
+    return algorithm;  // no tokens: every rank skips alike, NCCL is not called
+  }
   if (args.tokens == 0) {
     // Still a turn: a peer whose call has tokens learns that this one had none.
     if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
@@ -397,15 +414,16 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
                              stream, op);
   } catch (const Error&) {
     // The QK norm takes the NCCL path only when asked or without peer stores.
-    if (args.algorithm != Algorithm::kNccl) impl::queue_rejected_turn(state, stream);
+    if (impl::turn_reaches(state, args.algorithm)) impl::queue_rejected_turn(state, stream);
     throw;
   }
+  impl::refuse_if_failed(state);
   impl::QkCall call = impl::make_qk_call(&state, args);
+  call.signature = impl::qk_signature(args);
   if (algorithm != Algorithm::kOneShot) {
     if (args.tokens > 0) state.ops->qk_nccl_path(state, call, args.dtype, stream);
     return algorithm;
   }
-  call.signature = impl::qk_signature(args);
   if (args.tokens == 0) {
     if (state.world_size() > 1) state.ops->absent_call(state, call.signature, stream);
   } else {

@@ -59,6 +59,10 @@ class BackendOps {
 
   // Whether the team can run the NCCL path (the CPU's stand-in always can).
   virtual bool has_nccl_path(const TeamState& team) const = 0;
+  // Whether the NCCL path's calls carry headers and take turns like the fused calls' (the CPU's
+  // stand-in: a rejected call's absent turn reaches peers on it, and disagreeing calls on it are
+  // told). NCCL's own all-reduce does not: a rank there must make the same call as its peers.
+  virtual bool nccl_path_takes_turns() const = 0;
   // Team::check: synchronizes with the rank's work, then report_call_errors.
   virtual void check(const TeamState& team) const = 0;
 };
@@ -79,13 +83,16 @@ class NcclSupport {
                             const TeamOptions& options) const = 0;
 };
 
-// In-process CUDA teams (src/team/cuda_team.cu).
+// CUDA teams made without NCCL: in-process (src/team/cuda_team.cu), and one rank per process
+// over CUDA IPC, bootstrapped through a CPU team of the same id (src/team/ipc_team.cu).
 class CudaTeams {
  public:
   virtual ~CudaTeams() = default;
   virtual int device_count() const = 0;
   virtual std::vector<Team> in_process(const std::vector<int>& devices,
                                        const TeamOptions& options) const = 0;
+  virtual Team process_team(const CpuTeamId& id, int rank, int world_size, int device,
+                            const TeamOptions& options) const = 0;
 };
 
 // Defined only in the builds that have them; src/core/registry.cc is the one place that asks.

@@ -33,7 +33,15 @@ const char* dtype_code_name(uint32_t code) {
 // The first field of word[0] that differs, written as "<field>: <here> here, <there> on rank P".
 void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer) {
   const auto field = [](uint32_t word, int shift, uint32_t mask) { return (word >> shift) & mask; };
-  if (field(mine, 0, 0xf) != field(theirs, 0, 0xf)) {
+  const auto stand_in = [](uint32_t word) {
+    return (word & kStandInQkBit) != 0 ? "the NCCL path of the QK norm"
+                                       : "the NCCL path of a row call";
+  };
+  if (field(mine, 0, 0xf) == uint32_t(CallOp::kNccl) &&
+      field(theirs, 0, 0xf) == field(mine, 0, 0xf) &&
+      (mine & kStandInQkBit) != (theirs & kStandInQkBit)) {
+    out << "the op: " << stand_in(mine) << " here, " << stand_in(theirs) << " on rank " << peer;
+  } else if (field(mine, 0, 0xf) != field(theirs, 0, 0xf)) {
     out << "the op / algorithm: " << op_name(field(mine, 0, 0xf)) << " here, "
         << op_name(field(theirs, 0, 0xf)) << " on rank " << peer;
   } else if (field(mine, 4, 0xf) != field(theirs, 4, 0xf)) {
@@ -62,6 +70,19 @@ void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer)
   }
 }
 
+// Headers alike but for their hash: when the peer's is this rank's signature as a nearby call
+// number folds it (sequenced_signature), how far that number is from this rank's; else 0.
+int call_number_step(const ErrorRecord& e) {
+  const uint32_t unsequenced = e.mine.word[3] ^ sequence_fold(e.sequence);
+  for (int step = -8; step <= 8; ++step) {
+    if (step != 0 &&
+        (unsequenced ^ sequence_fold(e.sequence + uint32_t(step))) == e.theirs.word[3]) {
+      return step;
+    }
+  }
+  return 0;
+}
+
 std::string describe_mismatch(const ErrorRecord& e, int rank) {
   const int peer = int(e.failure_peer);
   std::ostringstream out;
@@ -75,6 +96,10 @@ std::string describe_mismatch(const ErrorRecord& e, int rank) {
   } else if (e.mine.word[2] != e.theirs.word[2]) {
     out << "the width (hidden, or q_global_size): " << e.mine.word[2] << " here, "
         << e.theirs.word[2] << " on rank " << peer;
+  } else if (const int step = call_number_step(e)) {
+    out << "the call: this rank's call " << e.sequence << " met rank " << peer << "'s call "
+        << ((e.sequence + uint32_t(step)) & 0x7fffffffu)
+        << " (a rank made a call its peers did not make, or skipped one)";
   } else {
     out << "eps or the MoE top-k (or, for the QK norm, k_global_size, head_dim, rotary_dim or "
            "kv_replicas)";
@@ -95,17 +120,38 @@ void clear_call_error(ErrorRecord& e) {
 
 std::string peer_note(const TeamState& team) {
   const ErrorRecord& e = *team.exchange.errors;
-  if (!team.peer_status ||
-      CallError(__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE)) != CallError::kTimeout) {
-    return "";
+  if (!team.peer_status) return "";
+  const CallError failure = CallError(__atomic_load_n(&e.failure, __ATOMIC_ACQUIRE));
+  if (failure == CallError::kTimeout) return team.peer_status(int(e.failure_peer));
+  // A peer's timeout, announced: what is known of the rank it waited for.
+  const FailureMark mark{e.theirs};
+  if (failure == CallError::kPeerFailed && mark.kind() == CallError::kTimeout) {
+    const std::string status = team.peer_status(mark.named_rank());
+    return status.empty() ? "" : " (rank " + std::to_string(mark.named_rank()) + status + ")";
   }
-  return team.peer_status(int(e.failure_peer));
+  return "";
 }
 
 std::string describe_failure(const ErrorRecord& e, int rank, int device,
                              const std::string& peer_note) {
   const uint32_t failure = __atomic_load_n(&e.failure, __ATOMIC_ACQUIRE);
   if (CallError(failure) == CallError::kMismatch) return describe_mismatch(e, rank);
+  if (CallError(failure) == CallError::kPeerFailed) {
+    const FailureMark mark{e.theirs};
+    std::ostringstream out;
+    out << "rank " << rank;
+    if (device >= 0) out << " (device " << device << ")";
+    out << ": rank " << mark.marking_rank() << " failed the team";
+    if (mark.sequence() != kUnknownSequence) out << " in its call " << mark.sequence();
+    out << " ("
+        << (mark.kind() == CallError::kTimeout ? "it timed out waiting for rank "
+                                               : "its call disagreed with rank ")
+        << mark.named_rank()
+        << "; its own error says more) and told every rank: a call it gave up on is never "
+           "combined with a later one. Every call of every rank of this team now fails; create "
+           "a new team";
+    return out.str();
+  }
   std::ostringstream out;
   out << "rank " << rank;
   if (device >= 0) out << " (device " << device << ")";

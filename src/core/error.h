@@ -21,6 +21,13 @@ inline const char* repository_path(const char* file) {
   return best != nullptr ? best + 1 : file;
 }
 
+// A collective call refused before it wrote anything (its team had failed): the backends tell it
+// from a call that failed after it began writing (whose outputs they set to NaN).
+class RefusedCall : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] inline void throw_error(const char* file, int line, const std::string& message) {
   std::ostringstream out;
   out << message << " (" << repository_path(file) << ":" << line << ")";

@@ -80,6 +80,12 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOp
   return impl::require_cuda_teams("create_cuda_team").in_process(devices, options);
 }
 
+Team create_cuda_team(const CpuTeamId& id, int rank, int world_size, int device,
+                      const TeamOptions& options) {
+  return impl::require_cuda_teams("create_cuda_team")
+      .process_team(id, rank, world_size, device, options);
+}
+
 UniqueId create_unique_id() {
   return impl::require_nccl("create_unique_id").unique_id();
 }

@@ -379,11 +379,25 @@ void validate_qk_args(const QkNormArgs& a, const char* op) {
 }
 
 void validate_team_options(const TeamOptions& options, const char* op) {
+  // 16 bytes hold the smallest row a call carries (kHiddenMultiple 16-bit elements) and one QK
+  // token's packet; the upper bound keeps every workspace size (3 x world x packet) exact.
+  constexpr size_t kMostPacketBytes = size_t{1} << 40;
   TPF_CHECK_ARG(
-      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0, op,
-      "options.packet_bytes must be a positive multiple of 16, got " << options.packet_bytes);
-  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0, op,
-                "options.peer_timeout_seconds must be >= 0, got " << options.peer_timeout_seconds);
+      options.packet_bytes >= 16 && options.packet_bytes % 16 == 0 &&
+          options.packet_bytes <= kMostPacketBytes,
+      op,
+      "options.packet_bytes must be a multiple of 16 in [16, 2^40], got " << options.packet_bytes);
+  // Seconds become nanoseconds in a 64-bit count: at most a year (0 waits forever).
+  constexpr double kMostSeconds = 365.0 * 24 * 3600;
+  TPF_CHECK_ARG(options.peer_timeout_seconds >= 0 && options.peer_timeout_seconds <= kMostSeconds,
+                op,
+                "options.peer_timeout_seconds must be in [0, " << kMostSeconds << "], got "
+                                                               << options.peer_timeout_seconds);
+  TPF_CHECK_ARG(
+      options.handshake_timeout_seconds >= 0 && options.handshake_timeout_seconds <= kMostSeconds,
+      op,
+      "options.handshake_timeout_seconds must be in [0, " << kMostSeconds << "], got "
+                                                          << options.handshake_timeout_seconds);
 }
 
 }  // namespace tpfuse::impl

@@ -9,10 +9,10 @@
 
 namespace tpfuse::impl {
 
-void cpu_absent_call(const Exchange& x, const CallSignature& mine) {
+void cpu_absent_call(const Exchange& x, const CallSignature& signature) {
   const CpuSession session = begin_session(x);
-  CpuCall call{x, session.slot(), mine};
-  send_header(x, session, mine);
+  CpuCall call = start_call(x, session, signature);
+  const CallSignature& mine = call.mine;
   session.clear_previous(x);
   uint64_t clear_bytes = 0;
   for (int sender = 0; sender < x.world_size; ++sender) {

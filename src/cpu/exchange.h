@@ -46,16 +46,33 @@ inline Vec16 load_vector(const char* address) {
   return v;
 }
 
-// The CPU's side of the error record (session.h); only the rank's own thread writes it.
+// The CPU's side of the error record (session.h); only the rank's own thread writes it. A
+// failure of this rank's own (a timeout, a disagreement) is also announced: its mark goes into
+// every rank's workspace, so that every peer's next call, wait and check fails at once.
 inline void record_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
                            const Vec16& theirs) {
   if (x.control->error == 0)
     __atomic_store_n(&x.control->error, uint32_t(1 + peer), __ATOMIC_RELEASE);
   if (x.errors->failure != 0) return;
+  const uint32_t sequence = __atomic_load_n(&x.control->sequence, __ATOMIC_ACQUIRE);
   x.errors->failure_peer = uint32_t(peer);
   x.errors->mine = mine;
   x.errors->theirs = theirs;
+  x.errors->sequence = sequence;
   __atomic_store_n(&x.errors->failure, uint32_t(kind), __ATOMIC_RELEASE);
+  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
+    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
+    for (int r = 0; r < x.world_size; ++r)
+      store_vector(reinterpret_cast<char*>(x.mark_of(r)), mark);
+  }
+}
+
+// A peer's failure mark, once it has arrived: this rank's failure too (kPeerFailed).
+inline bool mark_arrived(const Exchange& x) {
+  return has_arrived(load_vector(reinterpret_cast<const char*>(x.mark())));
+}
+inline void record_mark(const Exchange& x, const Vec16& mark) {
+  record_failure(x, CallError::kPeerFailed, FailureMark{mark}.marking_rank(), Vec16{}, mark);
 }
 
 [[noreturn]] inline void throw_failure(const Exchange& x) {
@@ -99,6 +116,10 @@ inline Vec16 wait_vector(const char* address, const Exchange& x, const CallSigna
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t spins = 0; !has_arrived(v); ++spins) {
     if (spins >= 16) std::this_thread::yield();
+    if (spins % 64 == 63 && mark_arrived(x)) {
+      record_mark(x, load_vector(reinterpret_cast<const char*>(x.mark())));
+      throw_failure(x);
+    }
     if (spins % 64 == 63 && x.timeout_ns != 0) {
       const auto waited = std::chrono::steady_clock::now() - start;
       if (uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()) >
@@ -128,6 +149,13 @@ inline Vec16 poll_vector(const char* address, CpuCall& call, int sender) {
     if (spins % 64 == 63) {
       const Vec16 header = load_vector(call.header_of(sender));
       if (has_arrived(header) && call.header_stops(sender, header)) return nan_vector();
+      // A peer that failed the team (it gave up on a call, or disagreed with another rank)
+      // announced it: this call cannot complete.
+      const Vec16 mark = load_vector(reinterpret_cast<const char*>(call.x.mark()));
+      if (has_arrived(mark)) {
+        record_mark(call.x, mark);
+        throw_failure(call.x);
+      }
       const auto waited = std::chrono::steady_clock::now() - start;
       const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
       if (call.x.timeout_ns != 0 && uint64_t(waited_ns) > call.x.timeout_ns) {
@@ -226,15 +254,22 @@ struct ThreadCoop {
   static void store_sentinel(Vec16* address) {
     store_vector(reinterpret_cast<char*>(address), sentinel_vector());
   }
+  static Vec16 load_mark(const Vec16* address) {
+    return load_vector(reinterpret_cast<const char*>(address));
+  }
+  static void record_mark(const Exchange& x, const Vec16& mark) { impl::record_mark(x, mark); }
 };
 
 using CpuSession = LamportSession<ThreadCoop>;
 
-// The session of this rank's next call; throws if the team failed earlier (a failed rank sends
-// nothing, so its peers time out too).
+// The session of this rank's next call. A team that failed earlier, here or on a peer (its
+// mark), refuses the call before anything is written: RefusedCall.
 inline CpuSession begin_session(const Exchange& exchange) {
-  const CpuSession session(read_call_state<ThreadCoop>(exchange.control));
-  if (session.failed()) throw_failure(exchange);
+  const CpuSession session(read_call_state<ThreadCoop>(exchange));
+  if (session.failed()) {
+    throw RefusedCall(describe_failure(*exchange.errors, exchange.rank, -1) +
+                      "; this call was refused and wrote nothing");
+  }
   return session;
 }
 
@@ -243,6 +278,15 @@ inline void send_header(const Exchange& x, const CpuSession& session, const Call
   for (int r = 0; r < x.world_size; ++r) {
     if (r != x.rank) store_vector(x.workspace[r] + session.header_send_offset(x), mine.header);
   }
+}
+
+// The start of a CPU call: its signature as this call's number sends it (sequenced_signature),
+// stored into every peer as the call's header.
+inline CpuCall start_call(const Exchange& x, const CpuSession& session,
+                          const CallSignature& signature) {
+  CpuCall call{x, session.slot(), sequenced_signature(signature, session.sequence())};
+  send_header(x, session, call.mine);
+  return call;
 }
 
 }  // namespace tpfuse::impl

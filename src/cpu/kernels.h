@@ -16,9 +16,10 @@ void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind&
 // (one-shot exchanges of at most the workspace's capacity), then the local epilogue.
 void cpu_nccl_path(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
 // Rank-ordered all-reduce of rows x row_elements (row bytes a multiple of 16), rounded to dtype,
-// in one-shot exchanges of at most the workspace's capacity.
-void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, int64_t rows,
-                        int64_t row_elements, DType dtype);
+// in one-shot exchanges of at most a packet each (rows wider than a packet cut into pieces),
+// whose headers carry `user`, the signature of the call the all-reduce serves.
+void cpu_allreduce_rows(const Exchange& exchange, const CallSignature& user, const void* input,
+                        void* out, int64_t rows, int64_t row_elements, DType dtype);
 
 // A row call as the CPU row code runs it: with the MoE finalize (epilogue.moe), its combine
 // computed into the rank thread's buffer (cpu/moe.cc; valid until the thread's next MoE call)

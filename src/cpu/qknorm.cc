@@ -94,8 +94,7 @@ void qk_rmsnorm(const QkCall& p, QkPass pass) {
   }
   const Exchange& x = p.exchange;
   const CpuSession session = begin_session(x);
-  CpuCall call{x, session.slot(), p.signature};
-  send_header(x, session, p.signature);
+  CpuCall call = start_call(x, session, p.signature);
 
   // Send: {sum q^2, sum k^2} per token to every rank (its own too: its packet is in no input).
   for (int64_t token = 0; token < p.tokens; ++token) {
@@ -138,7 +137,8 @@ void cpu_qk_nccl_path(const QkCall& call, DType dtype) {
   QkCall pass = call;
   pass.sums = sums.data();
   cpu_qk_rmsnorm(pass, dtype, QkPass::kSums);
-  cpu_allreduce_rows(call.exchange, sums.data(), sums.data(), rows, 4, DType::kFloat32);
+  cpu_allreduce_rows(call.exchange, call.signature, sums.data(), sums.data(), rows, 4,
+                     DType::kFloat32);
   cpu_qk_rmsnorm(pass, dtype, QkPass::kNormFromSums);
 }
 

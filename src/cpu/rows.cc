@@ -475,7 +475,6 @@ template <typename T, typename Epilogue>
 void oneshot(const RowCall& p) {
   const Exchange& x = p.exchange;
   const CpuSession session = begin_session(x);
-  CpuCall call{x, session.slot(), p.signature};
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const auto input_row = [&](int64_t token) {
     return static_cast<const char*>(p.input) + size_t(token) * row_bytes;
@@ -483,7 +482,7 @@ void oneshot(const RowCall& p) {
 
   // Send: the call header, then this rank's packet, sentinel words rewritten, into every other
   // rank's slot, row by row.
-  send_header(x, session, p.signature);
+  CpuCall call = start_call(x, session, p.signature);
   void* const packets = row_scratch().packets.reserve(row_bytes);
   for (int64_t token = 0; token < p.tokens; ++token) {
     copy_rewritten(input_row(token), row_bytes, packets);
@@ -508,8 +507,7 @@ template <typename T, typename Epilogue>
 void twoshot(const RowCall& p) {
   const Exchange& x = p.exchange;
   const CpuSession session = begin_session(x);
-  CpuCall call{x, session.slot(), p.signature};
-  send_header(x, session, p.signature);
+  CpuCall call = start_call(x, session, p.signature);
   const int rank = x.rank;
   const size_t row_bytes = size_t(p.hidden) * sizeof(T);
   const TwoShotLayout layout(p.tokens, session.world(x));
@@ -603,18 +601,54 @@ void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind&
   });
 }
 
-void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, int64_t rows,
-                        int64_t row_elements, DType dtype) {
-  const size_t row_bytes = size_t(row_elements) * dtype_size(dtype);
-  const int64_t chunk = std::max<int64_t>(1, int64_t(exchange.packet_bytes / row_bytes));
+// The header of one protocol call of the NCCL path's stand-in: labelled kNccl (so that a fused
+// peer is told the algorithm differs), with its payload's dtype, rows and width (what an absent
+// call drains), the user call's epilogue bits, and a hash of the user call's whole signature and
+// the piece's index (so that ranks whose calls disagree in anything are told, at the first piece).
+CallSignature stand_in_signature(const CallSignature& user, DType payload, int64_t rows,
+                                 int64_t width, uint32_t piece) {
+  const uint32_t qk = user.op() == CallOp::kQkOneShot ? kStandInQkBit : 0u;
+  const uint32_t word0 =
+      uint32_t(CallOp::kNccl) | uint32_t(payload) << 4 | (user.header.word[0] & 0x000fff00u) | qk;
+  const uint32_t extra[] = {user.hash(), piece};
+  return make_signature(word0, uint32_t(rows), uint32_t(width), extra, 2);
+}
+
+void cpu_allreduce_rows(const Exchange& exchange, const CallSignature& user, const void* input,
+                        void* out, int64_t rows, int64_t row_elements, DType dtype) {
+  const size_t element = dtype_size(dtype);
+  size_t row_bytes = size_t(row_elements) * element;
+  if (row_bytes > exchange.packet_bytes) {
+    // A row wider than a packet: the sum is element-wise, so the message is cut into rows of
+    // one packet (the last one shorter), each carried by a call of its own.
+    const int64_t total = rows * row_elements;
+    const int64_t width = int64_t(exchange.packet_bytes / element);
+    const int64_t full = total / width;
+    uint32_t piece = 0;
+    const auto run = [&](int64_t first_element, int64_t count) {
+      RowCall sum{};
+      sum.exchange = exchange;
+      sum.signature = stand_in_signature(user, dtype, 1, count, piece++);
+      sum.input = static_cast<const char*>(input) + size_t(first_element) * element;
+      sum.norm_out = static_cast<char*>(out) + size_t(first_element) * element;
+      sum.tokens = 1;
+      sum.hidden = count;
+      cpu_oneshot(sum, dtype, SumEpilogue::kKind);
+    };
+    for (int64_t r = 0; r < full; ++r) run(r * width, width);
+    if (total % width != 0) run(full * width, total % width);
+    return;
+  }
+  const int64_t chunk = int64_t(exchange.packet_bytes / row_bytes);
+  uint32_t piece = 0;
   for (int64_t first = 0; first < rows; first += chunk) {
+    const int64_t count = std::min(chunk, rows - first);
     RowCall sum{};
     sum.exchange = exchange;
-    sum.signature = row_signature(CallOp::kNccl, dtype, SumEpilogue::kKind,
-                                  std::min(chunk, rows - first), row_elements, 0.0f);
+    sum.signature = stand_in_signature(user, dtype, count, row_elements, piece++);
     sum.input = static_cast<const char*>(input) + size_t(first) * row_bytes;
     sum.norm_out = static_cast<char*>(out) + size_t(first) * row_bytes;
-    sum.tokens = std::min(chunk, rows - first);
+    sum.tokens = count;
     sum.hidden = row_elements;
     cpu_oneshot(sum, dtype, SumEpilogue::kKind);
   }
@@ -622,12 +656,14 @@ void cpu_allreduce_rows(const Exchange& exchange, const void* input, void* out, 
 
 void cpu_nccl_path(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
   if (!epilogue.norm) {
-    cpu_allreduce_rows(call.exchange, call.input, call.norm_out, call.tokens, call.hidden, dtype);
+    cpu_allreduce_rows(call.exchange, call.signature, call.input, call.norm_out, call.tokens,
+                       call.hidden, dtype);
     return;
   }
   // The sum, rounded to dtype as NCCL delivers it, then the local epilogue on it.
   std::vector<Vec16> sum(size_t(call.tokens * call.hidden) * dtype_size(dtype) / 16);
-  cpu_allreduce_rows(call.exchange, call.input, sum.data(), call.tokens, call.hidden, dtype);
+  cpu_allreduce_rows(call.exchange, call.signature, call.input, sum.data(), call.tokens,
+                     call.hidden, dtype);
   RowCall local = call;
   local.input = sum.data();
   cpu_local_epilogue(local, dtype, epilogue);

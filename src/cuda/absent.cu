@@ -28,6 +28,7 @@ __device__ bool drain_vector(const Vec16* address, const Exchange& x, int sender
   for (uint32_t spins = 1; !has_arrived(load_packet(address)); ++spins) {
     if (spins % 256 != 0) continue;
     if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return false;
+    if (mark_seen(x)) return false;
     if (x.timeout_ns == 0) continue;
     const uint64_t now = global_timer_ns();
     if (deadline == 0) {
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kAbsentThreads)
   grid_dependency_wait();
 
   // 1-3.
-  if (threadIdx.x == 0) shared_state = read_call_state<GridCoop>(x.control);
+  if (threadIdx.x == 0) shared_state = read_call_state<GridCoop>(x);
   __syncthreads();
   const Session session(shared_state);
   if (session.failed()) return;

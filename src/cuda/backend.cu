@@ -172,6 +172,7 @@ class CudaBackend final : public BackendOps {
   }
 
   bool has_nccl_path(const TeamState& team) const override { return team.nccl_comm != nullptr; }
+  bool nccl_path_takes_turns() const override { return false; }
 
   void check(const TeamState& team) const override { cuda_check(team); }
 };

@@ -168,13 +168,36 @@ __device__ __forceinline__ bool claim_failure(const Exchange& x, int peer) {
   return atomicCAS(&x.control->error, 0u, uint32_t(1 + peer)) == 0u;
 }
 
+// Announces a failure of this rank's own (a timeout, a disagreement) to every rank: its mark
+// (session.h's FailureMark) into each workspace, this rank's too. Volatile stores, as packets: a
+// peer's next call, wait or check reads the mark and fails at once. The GPU does not know which
+// call it was (the slot index has moved on by the time a wait gives up).
+__device__ __forceinline__ void publish_failure(const Exchange& x, CallError kind, int peer) {
+  const Vec16 mark = failure_mark(kind, x.rank, peer, kUnknownSequence);
+  for (int r = 0; r < x.world_size; ++r) store_packet(x.mark_of(r), mark);
+}
+
 __device__ __forceinline__ void record_failure(const Exchange& x, CallError kind, int peer,
                                                const Vec16& mine, const Vec16& theirs) {
   if (!claim_failure(x, peer)) return;
+  if (kind == CallError::kTimeout || kind == CallError::kMismatch) publish_failure(x, kind, peer);
   x.errors->failure_peer = uint32_t(peer);
   x.errors->mine = mine;
   x.errors->theirs = theirs;
   write_host_word(&x.errors->failure, uint32_t(kind));
+}
+
+// A peer's failure mark (session.h), recorded as this rank's failure (kPeerFailed).
+__device__ __forceinline__ void record_mark(const Exchange& x, const Vec16& mark) {
+  record_failure(x, CallError::kPeerFailed, FailureMark{mark}.marking_rank(), Vec16{}, mark);
+}
+
+// Whether a peer has marked the team failed (one word of the mark: the slow paths' check costs
+// one register); the mark is then recorded.
+__device__ __forceinline__ bool mark_seen(const Exchange& x) {
+  if (reinterpret_cast<const volatile uint32_t*>(x.mark())[0] == kSentinel) return false;
+  record_mark(x, load_packet(x.mark()));
+  return true;
 }
 
 // True for the one thread that records a per-call error since Team::check last cleared one:
@@ -222,6 +245,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
           reinterpret_cast<const volatile uint32_t*>(session.received_header(x, sender))[3];
       if (hash != kSentinel && hash != mine.hash()) return nan_vector();
       if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return nan_vector();
+      if (mark_seen(x)) return nan_vector();
       if (x.timeout_ns != 0) {
         const uint64_t now = global_timer_ns();
         if (deadline == 0) {
@@ -230,6 +254,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
           // Not record_failure: its two vectors, live here, cost registers in the hot kernels
           // (scripts/kernel-registers.sh shows it); a timeout's record needs neither.
           if (claim_failure(x, sender)) {
+            publish_failure(x, CallError::kTimeout, sender);
             x.errors->failure_peer = uint32_t(sender);
             write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));
           }
@@ -302,6 +327,7 @@ __device__ __forceinline__ void check_header(const Session& session, const Excha
   for (uint32_t spins = 1; !has_arrived(header); ++spins) {
     if (spins % 256 == 0) {
       if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return;
+      if (mark_seen(x)) return;
       if (x.timeout_ns != 0) {
         const uint64_t now = global_timer_ns();
         if (deadline == 0) {
@@ -356,6 +382,13 @@ struct GridCoop {
   // into it only after it has seen a packet this rank sends later.
   __device__ __forceinline__ static void store_sentinel(Vec16* address) {
     *address = sentinel_vector();
+  }
+  // Volatile, as a poll: a peer stores the mark at any time.
+  __device__ __forceinline__ static Vec16 load_mark(const Vec16* address) {
+    return load_packet(address);
+  }
+  __device__ __forceinline__ static void record_mark(const Exchange& x, const Vec16& mark) {
+    impl::record_mark(x, mark);
   }
 };
 

@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   // the packets' flight after the send does not hide.
   CallState state{0, 0, 0};
   if (kFused && threadIdx.x == 0) {
-    state = read_call_state<GridCoop>(control);
+    state = read_call_state<GridCoop>(p.exchange);
     shared_state = state;
   }
   Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
@@ -559,7 +559,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   grid_dependency_wait();
   CallState state{0, 0, 0};
   if (threadIdx.x == 0) {
-    state = read_call_state<GridCoop>(control);
+    state = read_call_state<GridCoop>(p.exchange);
     shared_state = state;
   }
   load_group(int64_t(blockIdx.x) * kGroup);

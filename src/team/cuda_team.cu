@@ -220,19 +220,23 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
 
 namespace {
 
-class InProcessCudaTeams final : public CudaTeams {
+class CudaTeamFactory final : public CudaTeams {
  public:
   int device_count() const override { return visible_devices(); }
   std::vector<Team> in_process(const std::vector<int>& devices,
                                const TeamOptions& options) const override {
     return create_in_process_cuda_team(devices, options);
   }
+  Team process_team(const CpuTeamId& id, int rank, int world_size, int device,
+                    const TeamOptions& options) const override {
+    return create_ipc_process_team(id, rank, world_size, device, options);
+  }
 };
 
 }  // namespace
 
 const CudaTeams& cuda_team_factory() {
-  static const InProcessCudaTeams teams;
+  static const CudaTeamFactory teams;
   return teams;
 }
 

@@ -9,8 +9,9 @@
 //     knows which ranks share load/store memory (its LSA team) and frees it all with the
 //     communicator.
 //   * CUDA IPC (kCudaIpc, or kAuto where windows are missing): cudaMalloc +
-//     cudaIpcGetMemHandle, handles all-gathered over NCCL, cudaIpcOpenMemHandle on each peer's.
-//     Works with any NCCL; needs P2P between every pair.
+//     cudaIpcGetMemHandle, handles all-gathered over NCCL, cudaIpcOpenMemHandle on each peer's
+//     (team/ipc.h, shared with the teams made without NCCL). Works with any NCCL; needs P2P
+//     between every pair.
 // Either way the team then runs the store-then-poll handshake (team/handshake.h); if it fails, or
 // if NCCL's LSA team does not hold every rank (another host), every op takes the NCCL path.
 #include <cuda_runtime.h>
@@ -35,6 +36,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "team/handshake.h"
+#include "team/ipc.h"
 #include "team/teams.h"
 #include "tpfuse/impl/lamport.h"
 
@@ -74,7 +76,7 @@ struct NcclTeamMemory : TeamMemory {
     cudaGetDevice(&previous);
     cudaSetDevice(device);
     cudaDeviceSynchronize();
-    for (void* peer : ipc_peers) cudaIpcCloseMemHandle(peer);
+    ipc_close(ipc_peers);
 #if TPFUSE_NCCL_WINDOWS
     if (window != nullptr) ncclCommWindowDeregister(comm, window);
 #endif
@@ -196,11 +198,8 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
                     "options.peer_memory is kNcclWindow but tpfuse was built with NCCL < 2.28");
 #endif
     } else {
-      TPF_CHECK_CUDA(cudaMalloc(&memory->workspace, bytes));
-      cudaIpcMemHandle_t handle;
-      TPF_CHECK_CUDA(cudaIpcGetMemHandle(&handle, memory->workspace));
-      // 64-byte handles, all-gathered as 8 words each.
-      static_assert(sizeof(cudaIpcMemHandle_t) == 64, "unexpected IPC handle size");
+      const cudaIpcMemHandle_t handle = ipc_export(bytes, &memory->workspace);
+      // 64-byte handles, all-gathered as bytes.
       uint64_t* handles = nullptr;
       TPF_CHECK_CUDA(cudaMalloc(&handles, 64 * size_t(world)));
       memory->device_allocations.push_back(handles);
@@ -212,35 +211,11 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
       TPF_CHECK_CUDA(
           cudaMemcpyAsync(all.data(), handles, 64 * size_t(world), cudaMemcpyDeviceToHost, stream));
       TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
-      std::string open_error;
-      for (int r = 0; r < world; ++r) {
-        if (r == rank) {
-          workspace[r] = static_cast<char*>(memory->workspace);
-          continue;
-        }
-        void* peer = nullptr;
-        const cudaError_t status =
-            cudaIpcOpenMemHandle(&peer, all[r], cudaIpcMemLazyEnablePeerAccess);
-        if (status != cudaSuccess) {
-          cudaGetLastError();
-          if (open_error.empty()) {
-            open_error = "rank " + std::to_string(rank) + " could not map rank " +
-                         std::to_string(r) +
-                         "'s memory (cudaIpcOpenMemHandle: " + cudaGetErrorString(status) + ")";
-          }
-          continue;
-        }
-        memory->ipc_peers.push_back(peer);
-        workspace[r] = static_cast<char*>(peer);
-      }
+      const std::string open_error =
+          ipc_open_peers(all, rank, memory->workspace, workspace, memory->ipc_peers);
       // Every rank learns whether every rank mapped every peer, before any store.
       const auto opened = all_gather_words(comm, exchange, world, rank, open_error.empty(), stream);
-      for (int r = 0; r < world && reason.empty(); ++r) {
-        if (opened[r] == 0) {
-          reason = r == rank ? open_error
-                             : "rank " + std::to_string(r) + " could not map a peer's memory";
-        }
-      }
+      reason = ipc_open_verdict(opened, rank, open_error);
       peer_memory = "cuda ipc";
     }
   }

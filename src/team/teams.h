@@ -16,6 +16,9 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
                                               bool shared_devices = false);
 // Over a communicator the caller owns (owns_comm false) or the team owns (destroyed with it).
 Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& options);
+// One rank per process over CUDA IPC, no NCCL (create_cuda_team(id, ...); team/ipc_team.cu).
+Team create_ipc_process_team(const CpuTeamId& id, int rank, int world_size, int device,
+                             const TeamOptions& options);
 Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,
                               const TeamOptions& options);
 

@@ -208,16 +208,44 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
       // The team goes on: the next call is checked like any good one.
     } else if (disagrees) {
       ++counts.disagreeing;
+      // Each rank tells the disagreement itself, or (once a rank that saw it has announced the
+      // failure: its mark) that rank's failure; either way naming the faulty rank. The first rank
+      // to see it tells the field.
+      bool field_told = false;
       for (int r = 0; r < world; ++r) {
-        EXPECT_TRUE(contains(errors[r], "disagrees with this rank's"))
-            << what << ": rank " << r << " got '" << errors[r] << "'";
+        const bool own = contains(errors[r], "disagrees with this rank's");
+        const bool announced =
+            contains(errors[r], "failed the team") && contains(errors[r], "disagreed with rank");
+        EXPECT_TRUE(own || announced) << what << ": rank " << r << " got '" << errors[r] << "'";
         if (r != faulty) {
-          EXPECT_TRUE(contains(errors[r], "rank " + std::to_string(faulty) + "'s call"))
+          EXPECT_TRUE(contains(errors[r], "rank " + std::to_string(faulty)))
               << what << ": rank " << r << " got '" << errors[r] << "'";
         }
+        field_told = field_told || (own && contains(errors[r], difference.field));
+        // On the CPU every output of a call that began is NaN, every element; a call the team
+        // refused (its failure seen at the start) wrote nothing. (The GPU's waits end with NaN
+        // where a disagreeing peer's data did not arrive; Team::check tells the failure.)
+        if (harness.team()[r].backend() != Backend::kCpu) continue;
+        // The rank's own call's outputs (the faulty rank's shape may differ).
+        const size_t own_count = size_t(args[r].tokens * args[r].hidden);
+        const size_t own_bytes = own_count * dtype_size(args[r].dtype);
+        HostTensor norm(args[r].dtype, own_count), residual_out(args[r].dtype, own_count);
+        harness.download(r, norm.data(), buffers[r].norm_out, own_bytes);
+        harness.download(r, residual_out.data(), buffers[r].residual_out, own_bytes);
+        const bool refused = contains(errors[r], "wrote nothing");
+        size_t wrong = 0;
+        for (size_t i = 0; i < own_bytes && refused; ++i) {
+          const uint8_t before = i < row_bytes ? poison.bytes[i] : 0;  // past them: never written
+          if (i < row_bytes) wrong += norm.bytes[i] != before || residual_out.bytes[i] != before;
+        }
+        for (size_t i = 0; i < own_count && !refused; ++i) {
+          wrong += !std::isnan(norm.get(i)) + !std::isnan(residual_out.get(i));
+        }
+        EXPECT_EQ(wrong, 0u) << what << ": rank " << r
+                             << (refused ? " wrote into a refused call's outputs"
+                                         : " outputs not NaN");
       }
-      EXPECT_TRUE(contains(errors[(faulty + 1) % world], difference.field))
-          << what << ": got " << errors[(faulty + 1) % world];
+      EXPECT_TRUE(field_told) << what << ": no rank named " << difference.field;
       harness.team() = make_team();
     } else {
       ++counts.good;

@@ -134,7 +134,21 @@ TEST(CpuOneShotLimits, MissingPeerIsReportedNotWaitedFor) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_THROW(team[0].check(), Error);
-  EXPECT_NO_THROW(team[1].check());
+  // Rank 0 announced the failure: its peers' check and calls say so at once, naming it, and a
+  // late peer's call is refused instead of meeting rank 0's abandoned packets.
+  for (int r : {1, 2}) {
+    try {
+      team[r].check();
+      ADD_FAILURE() << "rank " << r << "'s check did not report rank 0's failure";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("rank 0 failed the team"), std::string::npos)
+          << error.what();
+    }
+  }
+  std::vector<uint16_t> poison(64, 0x5a5a);
+  out = poison;
+  EXPECT_THROW(allreduce(team[1], input.data(), out.data(), 64, DType::kBFloat16), Error);
+  EXPECT_EQ(out, poison) << "a refused call wrote its output";
   // A failed team refuses further calls instead of corrupting them.
   EXPECT_THROW(allreduce(team[0], input.data(), out.data(), 64, DType::kBFloat16), Error);
 }

@@ -42,7 +42,17 @@
 // call's: ranks that disagree on a call, or a peer that rejected its call (its header says so and
 // it sends no packets), are detected instead of read as data (session.h says how).
 //
-// After the headers each workspace holds a handshake area: one 16-byte word per sender, which the
+// Call sequence: the control block counts the calls a rank has made (ControlBlock::sequence), and
+// a header carries the call's number folded into its hash (sequenced_signature, session.h), so a
+// header or packet left from another call is never taken for this one's.
+//
+// After the headers, the failure mark: one 16-byte word a rank's peers store into when a call of
+// theirs fails the team (a timeout, a disagreement): who failed it, why, and in which call. A
+// rank reads its own mark at the start of every call, in the slow path of its polls and in
+// Team::check, so a failure on one rank is an error on every rank at once: a late peer's call
+// is refused instead of combined with a call its peers gave up on (FailureMark, session.h).
+//
+// After the mark each workspace holds a handshake area: one 16-byte word per sender, which the
 // team's creation handshake stores into and polls (proof that peer stores arrive).
 //
 // WARNING: the sentinel is a bit pattern. Compare bits, never values: -0.0f == 0.0f is true and a
@@ -70,7 +80,12 @@ struct alignas(16) ControlBlock {
                          // of ErrorRecord::failure)
   uint32_t call_claims;  // per-call errors claimed (the GPU's claim of ErrorRecord::call_error)
   uint64_t slot_bytes[kSlots];  // bytes per sender each slot received in its last call
+  uint32_t sequence;            // calls this rank has made, modulo 2^31 (the next call's number)
 };
+
+TPF_HOST_DEVICE uint32_t next_sequence(uint32_t sequence) {
+  return (sequence + 1) & 0x7fffffffu;
+}
 
 TPF_HOST_DEVICE uint32_t next_slot(uint32_t slot) {
   return slot + 1 == kSlots ? 0 : slot + 1;
@@ -93,12 +108,17 @@ TPF_HOST_DEVICE size_t header_offset(uint32_t slot, int sender, int world_size,
          (size_t(slot) * size_t(world_size) + size_t(sender)) * 16;
 }
 
-// Bytes of the slots and the call headers.
-TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
+// Byte offset, inside any rank's workspace, of its failure mark (after the headers).
+TPF_HOST_DEVICE size_t mark_offset(int world_size, size_t packet_bytes) {
   return size_t(kSlots) * size_t(world_size) * (packet_bytes + 16);
 }
 
-// Bytes of the handshake area after the slots.
+// Bytes of the slots, the call headers and the failure mark: what a team fills with the sentinel.
+TPF_HOST_DEVICE size_t workspace_bytes(int world_size, size_t packet_bytes) {
+  return mark_offset(world_size, packet_bytes) + 16;
+}
+
+// Bytes of the handshake area after the workspace.
 constexpr size_t kHandshakeBytes = 16 * kMaxWorldSize;
 
 // Bytes to allocate for one rank's workspace: the slots and the handshake area.

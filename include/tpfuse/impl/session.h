@@ -48,6 +48,8 @@ enum class CallOp : uint32_t {
   kNccl = 5,  // the CPU backend's NCCL path: its sums go one-shot, labelled so that a fused peer
               // is told the algorithm differs
 };
+// word[0] bit of a kNccl header whose all-reduce serves the QK norm (its sums), not a row call.
+constexpr uint32_t kStandInQkBit = 1u << 21;
 
 // A call's signature, as its header carries it. No word is ever the sentinel (each < 2^31):
 //   word[0]: op | dtype << 4 | residual << 8 | norm << 9 | norm weight << 10 | rope << 12
@@ -93,6 +95,17 @@ TPF_HOST_DEVICE CallSignature rejected_signature() {
   return make_signature(uint32_t(CallOp::kRejected), 0, 0, nullptr, 0);
 }
 
+// The signature as call number `sequence` of a rank sends it: the number folded into the hash
+// word (an odd multiplier is a bijection on 31 bits, so two numbers never fold alike; the word
+// stays below 2^31, never the sentinel). Headers of another call of the same shape then differ.
+TPF_HOST_DEVICE uint32_t sequence_fold(uint32_t sequence) {
+  return (sequence * 2654435761u) & 0x7fffffffu;
+}
+TPF_HOST_DEVICE CallSignature sequenced_signature(CallSignature s, uint32_t sequence) {
+  s.header.word[3] ^= sequence_fold(sequence);
+  return s;
+}
+
 TPF_HOST_DEVICE bool same_signature(const Vec16& a, const Vec16& b) {
   return a.word[0] == b.word[0] && a.word[1] == b.word[1] && a.word[2] == b.word[2] &&
          a.word[3] == b.word[3];
@@ -112,7 +125,24 @@ enum class CallError : uint32_t {
   kMismatch = 2,      // a peer's call disagrees with this rank's (fails the team)
   kPeerRejected = 3,  // a peer rejected its call; this call's outputs are NaN (the team goes on)
   kBadPosition = 4,   // a QK-norm position outside the cos/sin cache; that token's outputs are NaN
+  kPeerFailed = 5,    // a peer failed the team (its failure mark, below; fails the team here too)
 };
+
+// What a rank stores into every rank's failure mark (lamport.h) when a call of its fails the
+// team: the failure's kind (kTimeout or kMismatch), the rank that failed it, the rank that
+// failure names, and the failing call's number. No word is the sentinel; a mark that has
+// arrived (every word in) means the team is failed.
+struct FailureMark {
+  Vec16 word;
+  TPF_HOST_DEVICE CallError kind() const { return CallError(word.word[0]); }
+  TPF_HOST_DEVICE int marking_rank() const { return int(word.word[1]); }
+  TPF_HOST_DEVICE int named_rank() const { return int(word.word[2]); }
+  TPF_HOST_DEVICE uint32_t sequence() const { return word.word[3]; }
+};
+constexpr uint32_t kUnknownSequence = 0x7fffffffu;  // a mark whose call number is not known
+TPF_HOST_DEVICE Vec16 failure_mark(CallError kind, int rank, int named, uint32_t sequence) {
+  return Vec16{{uint32_t(kind), uint32_t(rank), uint32_t(named), sequence & 0x7fffffffu}};
+}
 
 // One rank's errors, in host memory (mapped into the device on CUDA) so the host reads them
 // without synchronizing with a running kernel. The first failure wins and stays; the per-call
@@ -134,6 +164,7 @@ struct alignas(16) ErrorRecord {
   // Per-call errors Team::check has reported and cleared: the GPU claims call_error only while
   // its control block's call_claims equals this.
   uint32_t call_generation;
+  uint32_t sequence;  // failures: the number of this rank's call that failed (CPU backend)
 };
 
 // The team side of every call: what a rank needs to exchange packets with its peers.
@@ -147,23 +178,44 @@ struct Exchange {
   size_t packet_bytes;  // one sender region of one slot
   size_t header_area;   // header_offset(0, 0, world_size, packet_bytes): where the headers start
   uint64_t timeout_ns;  // 0: wait forever
+
+  // This rank's failure mark (lamport.h), which its peers store into.
+  TPF_HOST_DEVICE const Vec16* mark() const {
+    return reinterpret_cast<const Vec16*>(workspace[rank] + header_area +
+                                          size_t(kSlots) * size_t(world_size) * 16);
+  }
+  // Rank `receiver`'s failure mark as this rank addresses it.
+  TPF_HOST_DEVICE Vec16* mark_of(int receiver) const {
+    return reinterpret_cast<Vec16*>(workspace[receiver] + header_area +
+                                    size_t(kSlots) * size_t(world_size) * 16);
+  }
 };
 
-// What a call reads of its control block before it touches a slot.
+// What a call reads of its control block (and its failure mark) before it touches a slot.
 struct CallState {
   uint32_t slot;
-  uint32_t failed;
+  uint32_t failed;       // nonzero: the team failed (here, or a peer's mark says so)
+  uint32_t sequence;     // this call's number
   uint64_t clear_bytes;  // bytes per sender the previous call's slot received
 };
 
 // Reads the call state. Coop::load picks the loads: volatile on the GPU (a previous grid wrote
-// the block), plain on the CPU (only this rank's thread touches it).
+// the block), plain on the CPU (only this rank's thread touches it). A failure mark that has
+// arrived fails the call: Coop::record_mark records it as this rank's failure (kPeerFailed) once.
 template <typename Coop>
-TPF_HOST_DEVICE CallState read_call_state(const ControlBlock* control) {
+TPF_HOST_DEVICE CallState read_call_state(const Exchange& x) {
+  const ControlBlock* control = x.control;
   CallState state;
   state.slot = Coop::load(&control->slot);
   state.failed = Coop::load(&control->error);
+  state.sequence = Coop::load(&control->sequence);
   state.clear_bytes = Coop::load(&control->slot_bytes[slot_to_clear(state.slot)]);
+  // Loaded with the words above, not after them: one round trip.
+  const Vec16 mark = Coop::load_mark(x.mark());
+  if (state.failed == 0 && has_arrived(mark)) {
+    Coop::record_mark(x, mark);
+    state.failed = 1;
+  }
   return state;
 }
 
@@ -196,6 +248,7 @@ class LamportSession {
     return reinterpret_cast<const Vec16*>(x.workspace[x.rank] + header_of(x, state_.slot, sender));
   }
   TPF_HOST_DEVICE uint32_t slot() const { return state_.slot; }
+  TPF_HOST_DEVICE uint32_t sequence() const { return state_.sequence; }
 
   // Step 3, by one thread of each participant after it has read the call state (`control`:
   // this rank's control block, Exchange::control).
@@ -204,6 +257,7 @@ class LamportSession {
       Coop::store(&control->arrivals, 0u);
       Coop::store(&control->slot_bytes[state_.slot], bytes_per_sender);
       Coop::store(&control->slot, next_slot(state_.slot));
+      Coop::store(&control->sequence, next_sequence(state_.sequence));
     }
   }
 
