@@ -18,8 +18,9 @@ if [[ " $STEPS " == *" asan "* ]]; then
   cmake --build build/asan
   # The heaviest soaks run in the plain build; here every suite, their long cases filtered (the
   # MoE finalize at world 2 and 3 only: its code is the same at every world size; the conversions
-  # over every fp32, pure arithmetic on two buffers, in the plain build only).
-  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  # over every fp32, pure arithmetic on two buffers, in the plain build only), and the random
+  # faults (test_fault_random) a smaller run of.
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 TPFUSE_FAULT_CALLS=1500 \
     ctest --test-dir build/asan -L cpu -j 2 --timeout 600 --output-on-failure \
     -E "ThousandsOfConsecutiveCalls|SharedMemory.*world8|MoeFinalize.*world(1|4|5|8)|HostConversionsGiveTheBranchyForms" || status=1
 fi
@@ -28,9 +29,9 @@ if [[ " $STEPS " == *" tsan "* ]]; then
   echo "=== thread (sanitize-cpu +${SECONDS}s)"
   cmake -S . -B build/tsan "${common[@]}" -DTPFUSE_SANITIZE=thread >/dev/null
   cmake --build build/tsan
-  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" TPFUSE_FAULT_CALLS=500 \
     ctest --test-dir build/tsan -L cpu -j 2 --timeout 900 --output-on-failure \
-    -R "Arguments|RejectedCallKeepsCallsPaired|DisagreeingRanks|TinyPackets|LatePeer|StandInPath|CpuMisuse.*world(2|3|4)|CpuAlgorithms.*world2|CpuQkNorm.*world2|CpuQkNormArguments|ProcessTeam\.(PeerThatDies|RankThatNever|RanksGiven|BadArguments)|SharedMemoryAlgorithms.*(oneshot|twoshot)_world2|SharedMemoryTeam.*(Misuse|TwoShot|QkNormMatches).*world2" ||
+    -R "Arguments|FaultRandom|RejectedCallKeepsCallsPaired|DisagreeingRanks|TinyPackets|LatePeer|StandInPath|CpuMisuse.*world(2|3|4)|CpuAlgorithms.*world2|CpuQkNorm.*world2|CpuQkNormArguments|ProcessTeam\.(PeerThatDies|RankThatNever|RanksGiven|BadArguments)|SharedMemoryAlgorithms.*(oneshot|twoshot)_world2|SharedMemoryTeam.*(Misuse|TwoShot|QkNormMatches).*world2" ||
     status=1
 fi
 
