@@ -567,7 +567,7 @@ TEST(ProcessTeam, BadArgumentsAreNamed) {
   TeamOptions bad = small_options();
   bad.packet_bytes = 24;
   EXPECT_TRUE(contains(error_of([&] { create_cpu_team(id, 0, 2, bad); }),
-                       "options.packet_bytes must be a positive multiple of 16"));
+                       "options.packet_bytes must be a multiple of 16"));
   // A rank that joins twice: one of the two is refused, and the team completes with the other.
   // Rank 2 joins only once the refusal is in, so that both joins of rank 1 find the team still
   // being made (a join after the team is complete finds no socket: rank 0 has closed it).
