@@ -92,6 +92,23 @@ void store_release(uint32_t* word, uint32_t value) {
   __atomic_store_n(word, value, __ATOMIC_RELEASE);
 }
 
+// One message of the descriptor hand-over: a byte (a stream message carries at least one) and
+// room for one descriptor (SCM_RIGHTS). Built in place: the header points into the object.
+struct DescriptorMessage {
+  char byte = 'T';
+  iovec data{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr header{};
+  DescriptorMessage() {
+    header.msg_iov = &data;
+    header.msg_iovlen = 1;
+    header.msg_control = control;
+    header.msg_controllen = sizeof(control);
+  }
+  DescriptorMessage(const DescriptorMessage&) = delete;
+  DescriptorMessage& operator=(const DescriptorMessage&) = delete;
+};
+
 std::string errno_text() {
   return std::strerror(errno);
 }
@@ -227,20 +244,13 @@ class MemoryServer {
           (peer.uid != ::geteuid() && peer.uid != 0)) {
         continue;  // another user's process: the memory is not theirs
       }
-      char byte = 'T';  // a stream message carries at least one byte
-      iovec data{&byte, 1};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-      msghdr message{};
-      message.msg_iov = &data;
-      message.msg_iovlen = 1;
-      message.msg_control = control;
-      message.msg_controllen = sizeof(control);
-      cmsghdr* rights = CMSG_FIRSTHDR(&message);
+      DescriptorMessage message;
+      cmsghdr* rights = CMSG_FIRSTHDR(&message.header);
       rights->cmsg_level = SOL_SOCKET;
       rights->cmsg_type = SCM_RIGHTS;
       rights->cmsg_len = CMSG_LEN(sizeof(int));
       std::memcpy(CMSG_DATA(rights), &memory_.fd, sizeof(int));
-      ::sendmsg(connection.fd, &message, MSG_NOSIGNAL);
+      ::sendmsg(connection.fd, &message.header, MSG_NOSIGNAL);
     }
   }
 
@@ -300,16 +310,9 @@ int receive_memory(const std::string& name, int rank, const TeamOptions& options
   for (pollfd ready{connection.fd, POLLIN, 0}; ::poll(&ready, 1, 10) <= 0;) {
     if (deadline.passed()) timed_out("set the team up");
   }
-  char byte = 0;
-  iovec data{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr message{};
-  message.msg_iov = &data;
-  message.msg_iovlen = 1;
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  if (::recvmsg(connection.fd, &message, MSG_CMSG_CLOEXEC) != 1) return -1;
-  const cmsghdr* rights = CMSG_FIRSTHDR(&message);
+  DescriptorMessage message;
+  if (::recvmsg(connection.fd, &message.header, MSG_CMSG_CLOEXEC) != 1) return -1;
+  const cmsghdr* rights = CMSG_FIRSTHDR(&message.header);
   if (rights == nullptr || rights->cmsg_level != SOL_SOCKET || rights->cmsg_type != SCM_RIGHTS ||
       rights->cmsg_len != CMSG_LEN(sizeof(int))) {
     return -1;
