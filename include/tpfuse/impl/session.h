@@ -211,7 +211,8 @@ TPF_HOST_DEVICE CallState read_call_state(const Exchange& x) {
   state.sequence = Coop::load(&control->sequence);
   state.clear_bytes = Coop::load(&control->slot_bytes[slot_to_clear(state.slot)]);
   // A team of one has no peer to mark it. (A rank of one goes through the protocol for a plain
-  // all-reduce and the QK norm: there the load costs a call 0.1-0.2 us, measured.)
+  // all-reduce and the QK norm: there the load cost a call 0.1-0.3 us on an H100,
+  // bench/results/h100-20261205-969cf68-correct-or-loud.md.)
   if (x.world_size > 1) {
     const Vec16 mark = Coop::load_mark(x.mark());
     if (state.failed == 0 && has_arrived(mark)) {
