@@ -37,6 +37,7 @@ struct Options {
   size_t packet_bytes = size_t{16} << 20;
   double peer_timeout_seconds = 10.0;  // TeamOptions::peer_timeout_seconds (0: unchecked)
   bool processes = false;              // one process a rank (GPU: create_nccl_team; CPU: an id)
+  bool shared_device = false;          // GPU: every rank on GPU 0, no NCCL baselines
 };
 
 // In --processes mode the launcher starts one copy of the binary per GPU with these set; such a

@@ -103,8 +103,16 @@ constexpr int kBenchMoeTopK = 8;
 constexpr int64_t kBenchMoeMaxTokens = 256;
 
 // The GPU mode also records whether the library launches with PDL.
+#if TPFUSE_BENCH_NCCL
+constexpr bool kBenchNccl = true;
+#else
+constexpr bool kBenchNccl = false;
+#endif
+
 struct GpuPlan : BenchPlan {
   bool pdl = true;
+  // The NCCL baselines (not with --shared-device: NCCL refuses two ranks on one GPU).
+  bool nccl_baselines = kBenchNccl;
 };
 
 // The library reads TPFUSE_DISABLE_PDL once; the same rule here labels the records.
@@ -212,8 +220,10 @@ class GpuRank {
     TPF_CHECK_CUDA(cudaSetDevice(device_));
 #if TPFUSE_BENCH_NCCL
     // First, so that a rank failing below cannot leave its peers waiting in ncclCommInitRank.
-    TPF_CHECK_NCCL(ncclCommInitRank(&comm_, team_.world_size(),
-                                    *static_cast<const ncclUniqueId*>(nccl_id), team_.rank()));
+    if (plan.nccl_baselines) {
+      TPF_CHECK_NCCL(ncclCommInitRank(&comm_, team_.world_size(),
+                                      *static_cast<const ncclUniqueId*>(nccl_id), team_.rank()));
+    }
 #else
     (void)nccl_id;
 #endif
@@ -441,17 +451,19 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
         team.check();
         add(fp8_op_name(mode), "tpfuse_auto+quant", hidden, tokens, world_size, us, true);
 #if TPFUSE_BENCH_NCCL
-        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-          TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
-                                       impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
-          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-          args.input = set.norm_out;
-          add_rmsnorm(Backend::kCuda, args, stream);
-          quantize_fp8_device(set.norm_out, tokens, hidden, dtype, mode, gpu.static_scale(),
-                              set.quant_out, set.scales, stream);
-        });
-        add(fp8_op_name(mode), "nccl_ar+local_add_rmsnorm+quant", hidden, tokens, world_size, us,
-            false);
+        if (plan.nccl_baselines) {
+          us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+            TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
+                                         impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
+            AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+            args.input = set.norm_out;
+            add_rmsnorm(Backend::kCuda, args, stream);
+            quantize_fp8_device(set.norm_out, tokens, hidden, dtype, mode, gpu.static_scale(),
+                                set.quant_out, set.scales, stream);
+          });
+          add(fp8_op_name(mode), "nccl_ar+local_add_rmsnorm+quant", hidden, tokens, world_size, us,
+              false);
+        }
 #endif
       }
 
@@ -481,32 +493,37 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
         note("combine+tpfuse",
              add(moe_op, "moe_combine+tpfuse_auto", hidden, tokens, world_size, us, true));
 #if TPFUSE_BENCH_NCCL
+        if (plan.nccl_baselines) {
+          us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+            moe_combine_device(set.moe_rows, set.moe_weights, kBenchMoeTopK, tokens, hidden, dtype,
+                               set.moe_combined, stream);
+            TPF_CHECK_NCCL(ncclAllReduce(set.moe_combined, set.norm_out, size_t(count),
+                                         impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
+            AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+            args.input = set.norm_out;
+            add_rmsnorm(Backend::kCuda, args, stream);
+          });
+          add(moe_op, "moe_combine+nccl_ar+local_add_rmsnorm", hidden, tokens, world_size, us,
+              false);
+        }
+#endif
+      }
+
+#if TPFUSE_BENCH_NCCL
+      if (plan.nccl_baselines) {
+        // The honest baseline: NCCL all-reduce, then the local fused add + RMSNorm kernel, as an
+        // unfused model runs it (out-of-place all-reduce, the norm in place on its output). Being
+        // out of place also keeps the inputs from growing replay after replay.
         us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-          moe_combine_device(set.moe_rows, set.moe_weights, kBenchMoeTopK, tokens, hidden, dtype,
-                             set.moe_combined, stream);
-          TPF_CHECK_NCCL(ncclAllReduce(set.moe_combined, set.norm_out, size_t(count),
+          TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
                                        impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
           AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
           args.input = set.norm_out;
           add_rmsnorm(Backend::kCuda, args, stream);
         });
-        add(moe_op, "moe_combine+nccl_ar+local_add_rmsnorm", hidden, tokens, world_size, us, false);
-#endif
+        note("nccl_ar+local", add("allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm", hidden,
+                                  tokens, world_size, us, false));
       }
-
-#if TPFUSE_BENCH_NCCL
-      // The honest baseline: NCCL all-reduce, then the local fused add + RMSNorm kernel, as an
-      // unfused model runs it (out-of-place all-reduce, the norm in place on its output). Being
-      // out of place also keeps the inputs from growing replay after replay.
-      us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), impl::nccl_type(dtype),
-                                     ncclSum, gpu.comm(), stream));
-        AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-        args.input = set.norm_out;
-        add_rmsnorm(Backend::kCuda, args, stream);
-      });
-      note("nccl_ar+local", add("allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm", hidden,
-                                tokens, world_size, us, false));
 #endif
 
       us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
@@ -516,11 +533,13 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
       note("tpfuse_ar", add("allreduce", "tpfuse_auto", hidden, tokens, world_size, us, true));
 
 #if TPFUSE_BENCH_NCCL
-      us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-        TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count), impl::nccl_type(dtype),
-                                     ncclSum, gpu.comm(), stream));
-      });
-      note("nccl_ar", add("allreduce", "nccl", hidden, tokens, world_size, us, false));
+      if (plan.nccl_baselines) {
+        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+          TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
+                                       impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
+        });
+        note("nccl_ar", add("allreduce", "nccl", hidden, tokens, world_size, us, false));
+      }
 #endif
 
       // The local epilogue alone, on rank 0's GPU: what the fused op adds to a bare all-reduce.
@@ -567,20 +586,21 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
         add("allreduce_qk_rmsnorm", rope ? "tpfuse_fused_rope" : "tpfuse_fused", q_size + kv_size,
             tokens, world_size, us, true);
         records.back().shape = label;
-#if TPFUSE_BENCH_NCCL
-        const bool count_k = gpu.rank() % shape.kv_replicas == 0;
-        double unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-          const QkNormArgs args = qk_args(set);
-          qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);
-          TPF_CHECK_NCCL(ncclAllReduce(gpu.sums(), gpu.sums(), size_t(2 * tokens), ncclFloat32,
-                                       ncclSum, gpu.comm(), stream));
-          qk_rmsnorm_from_sums(Backend::kCuda, args, gpu.sums(), stream);
-        });
-        add("allreduce_qk_rmsnorm", rope ? "nccl_ar_sums+local_rope" : "nccl_ar_sums+local",
-            q_size + kv_size, tokens, world_size, unfused, false);
-        records.back().shape = label;
-#else
         double unfused = std::numeric_limits<double>::quiet_NaN();
+#if TPFUSE_BENCH_NCCL
+        if (plan.nccl_baselines) {
+          const bool count_k = gpu.rank() % shape.kv_replicas == 0;
+          unfused = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
+            const QkNormArgs args = qk_args(set);
+            qk_sum_squares(Backend::kCuda, args, count_k, gpu.sums(), stream);
+            TPF_CHECK_NCCL(ncclAllReduce(gpu.sums(), gpu.sums(), size_t(2 * tokens), ncclFloat32,
+                                         ncclSum, gpu.comm(), stream));
+            qk_rmsnorm_from_sums(Backend::kCuda, args, gpu.sums(), stream);
+          });
+          add("allreduce_qk_rmsnorm", rope ? "nccl_ar_sums+local_rope" : "nccl_ar_sums+local",
+              q_size + kv_size, tokens, world_size, unfused, false);
+          records.back().shape = label;
+        }
 #endif
         double floor = std::numeric_limits<double>::quiet_NaN();
         if (!rope) {
@@ -683,7 +703,7 @@ void add_floors(const GpuPlan& plan, std::vector<Record>& records) {
 namespace {
 
 // The run's device fields and method, from GPU 0.
-void fill_run_info(const GpuPlan& plan, bool processes, RunInfo& info) {
+void fill_run_info(const GpuPlan& plan, bool processes, bool shared_device, RunInfo& info) {
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
   int driver = 0;
@@ -701,8 +721,9 @@ void fill_run_info(const GpuPlan& plan, bool processes, RunInfo& info) {
   info.replays = plan.replays;
   info.method = "cuda-graph of " + std::to_string(plan.ops_per_graph) + " ops, median of " +
                 std::to_string(plan.replays) + " replays, " +
-                (processes ? "one process per GPU (create_nccl_team)"
-                           : "one process driving every GPU (create_cuda_team)");
+                (processes       ? "one process per GPU (create_nccl_team)"
+                 : shared_device ? "every rank on GPU 0, one process (create_cuda_team), no NCCL"
+                                 : "one process driving every GPU (create_cuda_team)");
 #if TPFUSE_BENCH_NCCL
   info.nccl = nccl_version_string();
 #endif
@@ -858,7 +879,7 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
   const int device_count = cuda_device_count();
   const int world_size =
       options.world_size > 0 ? options.world_size : std::min(device_count, kGpuMaxDefaultWorld);
-  if (world_size < 1 || world_size > device_count) {
+  if (world_size < 1 || (world_size > device_count && !options.shared_device)) {
     TPF_FAIL("--world " << world_size << " but this process sees " << device_count
                         << " CUDA device(s)");
   }
@@ -871,7 +892,7 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
     GpuPlan plan;
     plan.ops_per_graph = options.ops_per_graph > 0 ? options.ops_per_graph : kGpuOpsPerGraph;
     plan.replays = options.replays > 0 ? options.replays : kGpuReplays;
-    fill_run_info(plan, true, info);
+    fill_run_info(plan, true, false, info);
     std::fprintf(stderr, "GPU mode: %d processes x %s, %s, %s\n", world_size, info.gpu.c_str(),
                  dtype_name(options.dtype), info.method.c_str());
     std::vector<Record> records = launch_rank_processes(world_size);
@@ -881,21 +902,28 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
     TPF_FAIL("--processes needs NCCL, which this build of tpfuse-bench does not have");
 #endif
   }
+  // --shared-device: every rank on GPU 0 (the peers' stores are local ones), as on a machine
+  // with one GPU.
   std::vector<int> devices(static_cast<size_t>(world_size));
-  for (int rank = 0; rank < world_size; ++rank) devices[size_t(rank)] = rank;
+  for (int rank = 0; rank < world_size; ++rank) {
+    devices[size_t(rank)] = options.shared_device ? 0 : rank;
+  }
   const std::vector<Team> team = create_cuda_team(devices, team_options_of(options));
 
   GpuPlan plan;
   static_cast<BenchPlan&>(plan) =
       make_plan(options, team[0], kGpuMaxDefaultTokens, kGpuOpsPerGraph, kGpuReplays);
   plan.pdl = tpfuse_pdl_enabled();
-  fill_run_info(plan, false, info);
+  plan.nccl_baselines = kBenchNccl && !options.shared_device;
+  fill_run_info(plan, false, options.shared_device, info);
 
   const void* nccl_id_pointer = nullptr;
 #if TPFUSE_BENCH_NCCL
   ncclUniqueId nccl_id;
-  TPF_CHECK_NCCL(ncclGetUniqueId(&nccl_id));
-  nccl_id_pointer = &nccl_id;
+  if (plan.nccl_baselines) {
+    TPF_CHECK_NCCL(ncclGetUniqueId(&nccl_id));
+    nccl_id_pointer = &nccl_id;
+  }
 #else
   std::fprintf(stderr, "tpfuse-bench: built without NCCL: the NCCL baselines are not measured\n");
 #endif

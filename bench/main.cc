@@ -44,6 +44,8 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
                        (create_nccl_team), CPU mode over shared memory (create_cpu_team with
                        an id); default: one process drives every GPU (create_cuda_team), or
                        the CPU ranks are threads
+  --shared-device      GPU mode: every rank on GPU 0 (--world N of them), one process, no NCCL
+                       baselines (NCCL refuses two ranks on one GPU)
   --peer-timeout S     TeamOptions::peer_timeout_seconds (default 10; 0: unchecked polling),
                        to measure what checked mode costs
   --out PATH           results JSON at PATH (taken: NAME-1.json, NAME-2.json, ... beside it)
@@ -117,13 +119,18 @@ Options parse_options(int argc, char** argv) {
       std::exit(0);
     }
     static const char* const kFlags[] = {
-        "--hidden",     "--tokens",  "--dtype", "--world",     "--ops-per-graph", "--replays",
-        "--packet-mib", "--backend", "--out",   "--processes", "--peer-timeout",  "--out-dir"};
+        "--hidden",       "--tokens",     "--dtype",        "--world", "--ops-per-graph",
+        "--replays",      "--packet-mib", "--backend",      "--out",   "--processes",
+        "--peer-timeout", "--out-dir",    "--shared-device"};
     if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
       usage_error("unknown option '" + flag + "'");
     }
     if (flag == "--processes") {
       options.processes = true;
+      continue;
+    }
+    if (flag == "--shared-device") {
+      options.shared_device = true;
       continue;
     }
     if (!inline_value) {
@@ -185,6 +192,9 @@ Options parse_options(int argc, char** argv) {
   }
   if (!options.out_path.empty() && !options.out_dir.empty()) {
     usage_error("--out and --out-dir exclude each other");
+  }
+  if (options.shared_device && options.processes) {
+    usage_error("--shared-device and --processes exclude each other");
   }
   return options;
 }
@@ -311,6 +321,9 @@ int run(int argc, char** argv) {
   info.date = utc_time(start, "%Y-%m-%dT%H:%M:%SZ");
 
   const Mode mode = choose_mode(options);
+  if (mode == Mode::kCpu && options.shared_device) {
+    usage_error("--shared-device is an option of the GPU mode (this run is on the CPU backend)");
+  }
   // Every rank holds kBufferSets sets of four [tokens, hidden] buffers: past these counts a run
   // is a memory test, not a benchmark (100000 tokens of hidden 7168 would take 23 GB a rank).
   const int64_t most_tokens = mode == Mode::kGpu ? kGpuMaxTokens : kCpuMaxTokens;

@@ -17,7 +17,7 @@
 # were measured with), else the system's. The device copy has no .git: pass the commit in
 # TPFUSE_BENCH_COMMIT. TEST_LABEL=cpu|gpu picks the tests (default gpu; CI runs cpu).
 # TEST_REGEX narrows the tests (ctest -R). BUILD_TARGETS narrows the build (e.g. tpfuse_torch for a call that runs only Python).
-# SANITIZE_TOOLS, SANITIZE_TESTS (oneshot, qknorm, shared_device), SANITIZE_FILTER (a gtest
+# SANITIZE_TOOLS, SANITIZE_TESTS (oneshot, qknorm, shared_device, nccl_headers), SANITIZE_FILTER (a gtest
 # filter in place of the test's own) and SANITIZE_TIMEOUT narrow the sanitizer.
 # experiments: EXPERIMENTS (environment settings, one bench run each) and EXPERIMENT_ARGS.
 set -uo pipefail
@@ -121,6 +121,7 @@ if [[ " $STEPS " == *" sanitize "* ]]; then
       filter=$oneshot_filter
       [ $test = qknorm ] && filter=$qk_filter
       [ $test = shared_device ] && filter=$shared_filter
+      [ $test = nccl_headers ] && filter='*'
       filter=${SANITIZE_FILTER:-$filter}
       # One log for all runs: the device tool returns at most 8 files.
       log="$OUT/sanitizer.log"

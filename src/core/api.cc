@@ -180,6 +180,33 @@ RowEpilogueKind row_epilogue_of(const AddRmsNormArgs& args) {
           args.moe_expert_rows != nullptr};
 }
 
+CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  const uint64_t row_bytes = uint64_t(call.hidden) * dtype_size(dtype);
+  CallOutputs out{};
+  out.rows[out.count++] = {call.residual_out, call.tokens, row_bytes, row_bytes, kNanWord};
+  out.rows[out.count++] = {call.norm_out, call.tokens, row_bytes, row_bytes, kNanWord};
+  if (epilogue.quant) {
+    const uint64_t fp8_bytes = uint64_t(call.hidden);
+    out.rows[out.count++] = {call.quant_out, call.tokens, fp8_bytes, fp8_bytes, kFp8NanWord};
+    const int64_t scales = call.quant == QuantMode::kPerToken ? call.tokens
+                           : call.quant == QuantMode::kPerTokenGroup128
+                               ? call.tokens * (call.hidden / kQuantGroupSize)
+                               : 0;
+    out.rows[out.count++] = {call.scales_out, 1, uint64_t(scales) * 4, 0, kFloatNanWord};
+  }
+  return out;
+}
+
+CallOutputs outputs_of(const QkCall& call, DType dtype) {
+  const uint64_t element = dtype_size(dtype);
+  CallOutputs out{};
+  out.rows[out.count++] = {call.q_out, call.tokens, uint64_t(call.q_size) * element,
+                           uint64_t(call.q_out_stride) * element, kNanWord};
+  out.rows[out.count++] = {call.k_out, call.tokens, uint64_t(call.kv_size) * element,
+                           uint64_t(call.k_out_stride) * element, kNanWord};
+  return out;
+}
+
 QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
   QkCall call{};
   if (team != nullptr) call.exchange = team->exchange;
@@ -252,10 +279,30 @@ bool turn_reaches(const TeamState& state, Algorithm algorithm) {
   return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns();
 }
 
+// This rank's turn, without data, in a call its peers make on the NCCL path of a backend whose
+// NCCL path takes no absent turns (CUDA's NCCL): its header and the call's `count` from scratch
+// (src/cuda/nccl_headers.cu), so that the peers' NCCL call completes and tells them. `count` 0:
+// not known (a malformed shape), no turn. A turn that cannot be queued is left out: the caller
+// is already reporting its own error.
+void take_nccl_turn(const TeamState& state, size_t count, DType dtype, cudaStream_t stream) {
+  if (state.world_size() == 1 || count == 0 || state.ops->nccl_path_takes_turns() ||
+      !state.ops->has_nccl_path(state)) {
+    return;
+  }
+  try {
+    state.ops->nccl_turn(state, rejected_signature(), count, dtype, stream);
+  } catch (const Error&) {
+  }
+}
+
 // A collective call on a team that has failed (here, or announced by a peer and seen by a call
-// of this rank) is refused before anything is written.
-void refuse_if_failed(const TeamState& state) {
+// of this rank) is refused before anything is written. A call bound for CUDA's NCCL path still
+// takes its turn there (`nccl_count` elements of `dtype`; its header says the team failed), as
+// NCCL would otherwise leave the peers waiting.
+void refuse_if_failed(const TeamState& state, bool nccl_path, size_t nccl_count, DType dtype,
+                      cudaStream_t stream) {
   if (state.world_size() > 1 && team_failed(state)) {
+    if (nccl_path) take_nccl_turn(state, nccl_count, dtype, stream);
     throw RefusedCall(
         describe_failure(*state.exchange.errors, state.rank(), state.device, peer_note(state)) +
         "; this call was refused and wrote nothing");
@@ -273,21 +320,25 @@ void queue_rejected_turn(const TeamState& state, cudaStream_t stream) {
   }
 }
 
-// A call this rank rejected takes its turn as an absent call (session.h), so that its peers get
-// an error at once and the team goes on, unless its peers are likely on the NCCL path (the call
-// asked for it, or its own shape would go there), where a turn means nothing.
+// A call this rank rejected takes its turn, so that its peers get an error at once and the team
+// goes on: as an absent call (session.h) on the fused paths, as an all-reduce of the call's count
+// on CUDA's NCCL path (the call asked for it, or its own shape would go there).
 void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tokens, int64_t hidden,
                         DType dtype, cudaStream_t stream, const char* op) {
-  if (!takes_turns(state) || !turn_reaches(state, requested)) return;
   // Only a well-formed shape says where the peers' call goes; a malformed one is this rank's
   // alone, and the peers' well-formed calls run fused.
   const bool shape_valid = tokens >= 0 && hidden > 0 && hidden <= kMaxHidden &&
                            hidden % kHiddenMultiple == 0 && is_known(dtype);
-  if (requested == Algorithm::kAuto && shape_valid &&
-      !turn_reaches(state, choose_algorithm(state, tokens, hidden, dtype, requested, op))) {
+  Algorithm algorithm = requested;
+  if (requested == Algorithm::kAuto && shape_valid && state.world_size() > 1) {
+    algorithm = choose_algorithm(state, tokens, hidden, dtype, requested, op);
+  }
+  if (!turn_reaches(state, algorithm)) {
+    // CUDA's NCCL path: the turn needs the call's count, which only a well-formed shape gives.
+    take_nccl_turn(state, shape_valid ? size_t(tokens) * size_t(hidden) : 0, dtype, stream);
     return;
   }
-  queue_rejected_turn(state, stream);
+  if (takes_turns(state)) queue_rejected_turn(state, stream);
 }
 
 Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
@@ -322,7 +373,8 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
     }
     return algorithm;
   }
-  refuse_if_failed(state);
+  refuse_if_failed(state, algorithm == Algorithm::kNccl && args.tokens > 0,
+                   size_t(args.tokens) * size_t(args.hidden), args.dtype, stream);
   const CallOp call_op = algorithm == Algorithm::kOneShot   ? CallOp::kRowsOneShot
                          : algorithm == Algorithm::kTwoShot ? CallOp::kRowsTwoShot
                                                             : CallOp::kNccl;
@@ -368,7 +420,8 @@ Algorithm allreduce(const Team& team, const void* input, void* out, int64_t coun
   // Any positive multiple of kHiddenMultiple is carried (as rows, below).
   if (!(count > 0 && count % kHiddenMultiple == 0)) {
     if (team.state() != nullptr) {
-      impl::take_rejected_turn(*team.state(), algorithm, 1, kHiddenMultiple, DType::kFloat32,
+      // The count is malformed: a turn of the fused paths only (NCCL's needs the count).
+      impl::take_rejected_turn(*team.state(), algorithm, -1, kHiddenMultiple, DType::kFloat32,
                                stream, "allreduce");
     }
     TPF_CHECK_ARG(false, "allreduce",
@@ -413,11 +466,19 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
                               {"cos_sin_cache", args.cos_sin_cache}},
                              stream, op);
   } catch (const Error&) {
-    // The QK norm takes the NCCL path only when asked or without peer stores.
-    if (impl::turn_reaches(state, args.algorithm)) impl::queue_rejected_turn(state, stream);
+    // The QK norm takes the NCCL path only when asked or without peer stores; there its turn is
+    // the all-reduce of the sums, [tokens, 2] fp32.
+    const Algorithm path = state.fused ? args.algorithm : Algorithm::kNccl;
+    if (!impl::turn_reaches(state, path)) {
+      impl::take_nccl_turn(state, args.tokens > 0 ? size_t(2 * args.tokens) : 0, DType::kFloat32,
+                           stream);
+    } else if (impl::takes_turns(state)) {
+      impl::queue_rejected_turn(state, stream);
+    }
     throw;
   }
-  impl::refuse_if_failed(state);
+  impl::refuse_if_failed(state, algorithm != Algorithm::kOneShot && args.tokens > 0,
+                         size_t(2 * args.tokens), DType::kFloat32, stream);
   impl::QkCall call = impl::make_qk_call(&state, args);
   call.signature = impl::qk_signature(args);
   if (algorithm != Algorithm::kOneShot) {

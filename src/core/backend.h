@@ -57,6 +57,13 @@ class BackendOps {
   virtual void absent_call(const TeamState& team, const CallSignature& signature,
                            cudaStream_t stream) const = 0;
 
+  // This rank's turn on the NCCL path in a call it makes without data (a rejection, or a call
+  // refused because the team failed): its header (`signature`; kFailed where the team failed)
+  // and an all-reduce of `count` elements of `dtype` from scratch, so that the peers' call
+  // completes and they are told (src/cuda/nccl_headers.cu). The CPU's stand-in takes the same
+  // turn as an absent call.
+  virtual void nccl_turn(const TeamState& team, const CallSignature& signature, size_t count,
+                         DType dtype, cudaStream_t stream) const = 0;
   // Whether the team can run the NCCL path (the CPU's stand-in always can).
   virtual bool has_nccl_path(const TeamState& team) const = 0;
   // Whether the NCCL path's calls carry headers and take turns like the fused calls' (the CPU's
@@ -74,6 +81,10 @@ class NcclSupport {
   virtual ~NcclSupport() = default;
   virtual void allreduce(void* comm, const void* input, void* out, size_t count, DType dtype,
                          cudaStream_t stream) const = 0;
+  // The NCCL path's all-reduce: the call headers (`world` 16-byte headers, summed in place as
+  // 32-bit integers; src/cuda/nccl_headers.cu) and the data, in one NCCL group.
+  virtual void allreduce_headed(void* comm, void* headers, int world, const void* input, void* out,
+                                size_t count, DType dtype, cudaStream_t stream) const = 0;
   // One communicator per device (ncclCommInitAll), connected; and their release.
   virtual std::vector<void*> in_process_comms(const std::vector<int>& devices) const = 0;
   virtual void destroy_comms(std::vector<void*>& comms) const = 0;

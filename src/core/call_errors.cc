@@ -22,6 +22,8 @@ const char* op_name(uint32_t op) {
       return "a rejected call";
     case CallOp::kNccl:
       return "the NCCL path";
+    case CallOp::kFailed:
+      return "a call of a failed team";
   }
   return "an unknown op";
 }
@@ -144,8 +146,9 @@ std::string describe_failure(const ErrorRecord& e, int rank, int device,
     out << ": rank " << mark.marking_rank() << " failed the team";
     if (mark.sequence() != kUnknownSequence) out << " in its call " << mark.sequence();
     out << " ("
-        << (mark.kind() == CallError::kTimeout ? "it timed out waiting for rank "
-                                               : "its call disagreed with rank ")
+        << (mark.kind() == CallError::kTimeout    ? "it timed out waiting for rank "
+            : mark.kind() == CallError::kMismatch ? "its call disagreed with rank "
+                                                  : "it was told of a failure by rank ")
         << mark.named_rank() << peer_note
         << "; its own error says more) and told every rank: a call it gave up on is never "
            "combined with a later one. Every call of every rank of this team now fails; create "

@@ -77,6 +77,28 @@ CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilo
 RowEpilogueKind row_epilogue_of(const AddRmsNormArgs& args);
 CallSignature qk_signature(const QkNormArgs& args);
 
+// Where a call writes: every output as rows of bytes, and the word that makes each element NaN
+// (any dtype's NaN; E4M3's NaN byte 0x7f for FP8). A call that fails once it has begun fills
+// them all (CPU: cpu/backend.cc; CUDA's NCCL path: its header check), so that nothing of a
+// failed call reads as numbers.
+struct OutputRows {
+  void* base;  // null: the call has no such output
+  int64_t rows;
+  uint64_t row_bytes;
+  uint64_t stride_bytes;
+  uint32_t word;
+};
+struct CallOutputs {
+  static constexpr int kMost = 4;
+  OutputRows rows[kMost];
+  int count;
+};
+constexpr uint32_t kNanWord = 0x7fc07fc0u;     // fp32 0x7fc07fc0; bf16 and fp16 0x7fc0 twice
+constexpr uint32_t kFp8NanWord = 0x7f7f7f7fu;  // E4M3's NaN in every byte
+constexpr uint32_t kFloatNanWord = 0x7fc00000u;
+CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
+CallOutputs outputs_of(const QkCall& call, DType dtype);
+
 // `team` null: the local form (no exchange; counts_k = 1).
 RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args);
 QkCall make_qk_call(const TeamState* team, const QkNormArgs& args);

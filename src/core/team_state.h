@@ -1,6 +1,7 @@
 // Internal: what a Team handle points to.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -27,12 +28,25 @@ struct SelectionStep {
   Algorithm algorithm;
 };
 
+// A rank's share of its device's multiprocessors: the device's, divided among the team's ranks
+// on that device. A collective's blocks poll for packets that the peers' grids send, so every
+// rank's grid must be resident at once; ranks that share a device and each sized their grid to
+// the whole device could wait on a peer's grid that cannot start (4 ranks on one H100, two-shot,
+// 30 tokens x 16384: a timeout on the first call).
+inline int share_of_multiprocessors(int device_multiprocessors, int ranks_on_device) {
+  return ranks_on_device > 1 ? std::max(1, device_multiprocessors / ranks_on_device)
+                             : device_multiprocessors;
+}
+
+constexpr size_t kNcclHeaderBytes = 16 * kMaxWorldSize;
+
 struct TeamState {
   const BackendOps* ops = nullptr;  // the backend every call of this team runs on
   Exchange exchange{};              // rank, world size, workspace, control block, timeout
   int device = -1;                  // CUDA device ordinal (-1 on the CPU)
-  int multiprocessors = 0;          // CUDA: SM count of this rank's device
-  std::string device_name;          // e.g. "NVIDIA H200": the selection table's key
+  // CUDA: the multiprocessors this rank's grids may fill (share_of_multiprocessors).
+  int multiprocessors = 0;
+  std::string device_name;  // e.g. "NVIDIA H200": the selection table's key
   // The table's rows for this device and world size, in order (matched once, at creation).
   std::vector<SelectionStep> selection;
   // false when the fused kernels may not run (no proven peer stores): every op takes the NCCL
@@ -44,6 +58,9 @@ struct TeamState {
   // fp32 device buffer for the QK norm's NCCL path.
   void* nccl_comm = nullptr;
   float* qk_sums = nullptr;
+  // CUDA teams with NCCL: the NCCL path's call headers, one 16-byte header a rank
+  // (src/cuda/nccl_headers.cu), kNcclHeaderBytes of device memory.
+  void* nccl_headers = nullptr;
   std::shared_ptr<TeamMemory> memory;
   // Teams whose ranks are processes: what is known of a peer's process, appended to the report of
   // a timeout waiting for it (e.g. " (its process, pid 123, has exited)"; empty if nothing is).

@@ -26,55 +26,31 @@ void noting_peer(const TeamState& team, Call&& call) {
   }
 }
 
-// Fills `rows` rows of `row_bytes` bytes, `stride_bytes` apart, with `byte_pattern`'s word.
-void fill_rows(void* base, int64_t rows, size_t row_bytes, size_t stride_bytes, uint32_t word) {
-  if (base == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r) {
-    char* row = static_cast<char*>(base) + size_t(r) * stride_bytes;
-    for (size_t offset = 0; offset + 4 <= row_bytes; offset += 4)
-      std::memcpy(row + offset, &word, 4);
-    for (size_t offset = row_bytes / 4 * 4; offset < row_bytes; ++offset) row[offset] = char(word);
+// Fills every output of a call with its NaN word (outputs_of, core/calls.h).
+void poison(const CallOutputs& outputs) {
+  for (int i = 0; i < outputs.count; ++i) {
+    const OutputRows& o = outputs.rows[i];
+    if (o.base == nullptr) continue;
+    for (int64_t r = 0; r < o.rows; ++r) {
+      char* row = static_cast<char*>(o.base) + uint64_t(r) * o.stride_bytes;
+      for (uint64_t offset = 0; offset + 4 <= o.row_bytes; offset += 4)
+        std::memcpy(row + offset, &o.word, 4);
+      for (uint64_t offset = o.row_bytes / 4 * 4; offset < o.row_bytes; ++offset)
+        row[offset] = char(o.word);
+    }
   }
-}
-
-// NaN in every element of any dtype (session.h's nan_vector word), and E4M3's NaN byte 0x7f.
-constexpr uint32_t kNanWord = 0x7fc07fc0u;
-constexpr uint32_t kFp8NanWord = 0x7f7f7f7fu;
-
-// A fused call that failed once it had begun (a peer timed out, disagreed or rejected its part):
-// every element of every output this rank's call writes becomes NaN, so that nothing of a failed
-// call reads as numbers.
-void poison_outputs(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
-  const size_t row_bytes = size_t(call.hidden) * dtype_size(dtype);
-  fill_rows(call.residual_out, call.tokens, row_bytes, row_bytes, kNanWord);
-  fill_rows(call.norm_out, call.tokens, row_bytes, row_bytes, kNanWord);
-  if (!epilogue.quant) return;
-  fill_rows(call.quant_out, call.tokens, size_t(call.hidden), size_t(call.hidden), kFp8NanWord);
-  const int64_t scales = call.quant == QuantMode::kPerToken ? call.tokens
-                         : call.quant == QuantMode::kPerTokenGroup128
-                             ? call.tokens * (call.hidden / 128)
-                             : 0;
-  fill_rows(call.scales_out, 1, size_t(scales) * 4, 0, 0x7fc00000u);
-}
-
-void poison_outputs(const QkCall& call, DType dtype) {
-  const size_t element = dtype_size(dtype);
-  fill_rows(call.q_out, call.tokens, size_t(call.q_size) * element,
-            size_t(call.q_out_stride) * element, kNanWord);
-  fill_rows(call.k_out, call.tokens, size_t(call.kv_size) * element,
-            size_t(call.k_out_stride) * element, kNanWord);
 }
 
 // Runs a fused call (noting_peer); an error it throws after it began makes its outputs NaN
 // (poison), one that refused the call before it began leaves them as they were.
 template <typename Call, typename Poison>
-void poisoning(const TeamState& team, Call&& call, Poison&& poison) {
+void poisoning(const TeamState& team, Call&& call, Poison&& poison_outputs) {
   try {
     noting_peer(team, call);
   } catch (const RefusedCall&) {
     throw;
   } catch (const Error&) {
-    poison();
+    poison_outputs();
     throw;
   }
 }
@@ -98,21 +74,21 @@ class CpuBackend final : public BackendOps {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_oneshot(run.call(), dtype, run.epilogue()); },
-        [&] { poison_outputs(call, dtype, epilogue); });
+        [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void twoshot(const TeamState& team, const RowCall& call, DType dtype,
                const RowEpilogueKind& epilogue, cudaStream_t) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_twoshot(run.call(), dtype, run.epilogue()); },
-        [&] { poison_outputs(call, dtype, epilogue); });
+        [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
                  const RowEpilogueKind& epilogue, cudaStream_t) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_nccl_path(run.call(), dtype, run.epilogue()); },
-        [&] { poison_outputs(call, dtype, epilogue); });
+        [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                       cudaStream_t) const override {
@@ -124,15 +100,20 @@ class CpuBackend final : public BackendOps {
                   cudaStream_t) const override {
     poisoning(
         team, [&] { cpu_qk_rmsnorm(call, dtype, QkPass::kFused); },
-        [&] { poison_outputs(call, dtype); });
+        [&] { poison(outputs_of(call, dtype)); });
   }
   void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
                     cudaStream_t) const override {
     poisoning(
-        team, [&] { cpu_qk_nccl_path(call, dtype); }, [&] { poison_outputs(call, dtype); });
+        team, [&] { cpu_qk_nccl_path(call, dtype); }, [&] { poison(outputs_of(call, dtype)); });
   }
   void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t) const override {
     cpu_qk_rmsnorm(call, dtype, pass);
+  }
+
+  void nccl_turn(const TeamState& team, const CallSignature& signature, size_t, DType,
+                 cudaStream_t stream) const override {
+    absent_call(team, signature, stream);
   }
 
   bool has_nccl_path(const TeamState&) const override { return true; }

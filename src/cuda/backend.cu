@@ -27,6 +27,7 @@ void cuda_preload_kernels(int world_size) {
   cuda_preload_local_kernels();
   cuda_preload_qk_kernels(world_size);
   cuda_preload_absent_kernel();
+  cuda_preload_nccl_header_kernels();
 }
 
 namespace {
@@ -110,8 +111,15 @@ class CudaBackend final : public BackendOps {
     const NcclSupport& nccl = nccl_of(team, "allreduce_add_rmsnorm");
     DeviceGuard guard(team.device);
     const size_t count = size_t(call.tokens) * size_t(call.hidden);
+    // The call's header beside its data (nccl_headers.cu), checked after the call's work.
+    cuda_nccl_headers(team, call.signature, stream);
+    const auto allreduce = [&](const void* input, void* out) {
+      nccl.allreduce_headed(team.nccl_comm, team.nccl_headers, team.world_size(), input, out, count,
+                            dtype, stream);
+    };
     if (!epilogue.norm) {
-      nccl.allreduce(team.nccl_comm, call.input, call.norm_out, count, dtype, stream);
+      allreduce(call.input, call.norm_out);
+      cuda_nccl_check(team, outputs_of(call, dtype, epilogue), stream);
       return;
     }
     // The sum lands in an output that is not the residual (outputs coincide with an input or are
@@ -130,14 +138,15 @@ class CudaBackend final : public BackendOps {
     if (epilogue.moe) {
       // The MoE combine (a kernel of its own) is this rank's contribution, summed in place.
       cuda_moe_combine(call, dtype, epilogue, sum, stream);
-      nccl.allreduce(team.nccl_comm, sum, sum, count, dtype, stream);
+      allreduce(sum, sum);
       local_epilogue.moe = false;
     } else {
-      nccl.allreduce(team.nccl_comm, call.input, sum, count, dtype, stream);
+      allreduce(call.input, sum);
     }
     RowCall local = call;
     local.input = sum;
     cuda_local_epilogue(local, dtype, local_epilogue, stream);
+    cuda_nccl_check(team, outputs_of(call, dtype, epilogue), stream);
   }
 
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
@@ -156,10 +165,24 @@ class CudaBackend final : public BackendOps {
     DeviceGuard guard(team.device);
     QkCall pass = call;
     pass.sums = team.qk_sums;
+    cuda_nccl_headers(team, call.signature, stream);
     cuda_qk_local(pass, dtype, QkPass::kSums, stream);
-    nccl.allreduce(team.nccl_comm, pass.sums, pass.sums, size_t(2 * call.tokens), DType::kFloat32,
-                   stream);
+    nccl.allreduce_headed(team.nccl_comm, team.nccl_headers, team.world_size(), pass.sums,
+                          pass.sums, size_t(2 * call.tokens), DType::kFloat32, stream);
     cuda_qk_local(pass, dtype, QkPass::kNormFromSums, stream);
+    cuda_nccl_check(team, outputs_of(call, dtype), stream);
+  }
+
+  void nccl_turn(const TeamState& team, const CallSignature& signature, size_t count, DType dtype,
+                 cudaStream_t stream) const override {
+    const NcclSupport& nccl = nccl_of(team, "a rejected call's turn");
+    DeviceGuard guard(team.device);
+    cuda_nccl_headers(team, signature, stream);
+    // What the data is does not matter: the header tells the peers the call has none.
+    StreamScratch scratch;
+    void* data = scratch.allocate(count * dtype_size(dtype), stream);
+    nccl.allreduce_headed(team.nccl_comm, team.nccl_headers, team.world_size(), data, data, count,
+                          dtype, stream);
   }
 
   void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream) const override {

@@ -172,16 +172,25 @@ __device__ __forceinline__ bool claim_failure(const Exchange& x, int peer) {
 // (session.h's FailureMark) into each workspace, this rank's too. Volatile stores, as packets: a
 // peer's next call, wait or check reads the mark and fails at once. The GPU does not know which
 // call it was (the slot index has moved on by the time a wait gives up).
-__device__ __forceinline__ void publish_failure(const Exchange& x, CallError kind, int peer) {
-  const Vec16 mark = failure_mark(kind, x.rank, peer, kUnknownSequence);
+__device__ __forceinline__ void publish_failure(const Exchange& x, CallError kind, int peer,
+                                                uint32_t sequence) {
+  const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
   for (int r = 0; r < x.world_size; ++r) store_packet(x.mark_of(r), mark);
 }
 
+// `sequence`: the failing call's number where the caller knows it (the NCCL path's check).
 __device__ __forceinline__ void record_failure(const Exchange& x, CallError kind, int peer,
-                                               const Vec16& mine, const Vec16& theirs) {
+                                               const Vec16& mine, const Vec16& theirs,
+                                               uint32_t sequence = kUnknownSequence) {
   if (!claim_failure(x, peer)) return;
-  if (kind == CallError::kTimeout || kind == CallError::kMismatch) publish_failure(x, kind, peer);
+  // A team without peer stores (every call on the NCCL path) has no workspace to mark: its
+  // peers learn of the failure from this rank's next header (failed_signature).
+  if ((kind == CallError::kTimeout || kind == CallError::kMismatch) &&
+      x.workspace[x.rank] != nullptr) {
+    publish_failure(x, kind, peer, sequence);
+  }
   x.errors->failure_peer = uint32_t(peer);
+  x.errors->sequence = sequence;
   x.errors->mine = mine;
   x.errors->theirs = theirs;
   write_host_word(&x.errors->failure, uint32_t(kind));
@@ -253,7 +262,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
           // Not record_failure: its two vectors, live here, cost registers in the hot kernels
           // (scripts/kernel-registers.sh shows it); a timeout's record needs neither.
           if (claim_failure(x, sender)) {
-            publish_failure(x, CallError::kTimeout, sender);
+            publish_failure(x, CallError::kTimeout, sender, kUnknownSequence);
             x.errors->failure_peer = uint32_t(sender);
             write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));
           }

@@ -43,6 +43,13 @@ struct QkKernels {
 // A call this rank makes without data (a rejection, or no tokens): src/cuda/absent.cu.
 void cuda_absent_call(const TeamState& team, const CallSignature& signature, cudaStream_t stream);
 
+// The NCCL path's call headers (src/cuda/nccl_headers.cu): this rank's header into
+// TeamState::nccl_headers before the all-reduce, and the check of every rank's after it (NaN into
+// `outputs` and the error recorded where a peer's differs).
+void cuda_nccl_headers(const TeamState& team, const CallSignature& signature, cudaStream_t stream);
+void cuda_nccl_check(const TeamState& team, const CallOutputs& outputs, cudaStream_t stream);
+void cuda_preload_nccl_header_kernels();
+
 void cuda_preload_kernels(int world_size);
 void cuda_preload_absent_kernel();
 void cuda_preload_oneshot_kernels(int world_size);

@@ -23,6 +23,21 @@ class Nccl final : public NcclSupport {
                                  static_cast<ncclComm_t>(comm), stream));
   }
 
+  void allreduce_headed(void* comm, void* headers, int world, const void* input, void* out,
+                        size_t count, DType dtype, cudaStream_t stream) const override {
+    const ncclComm_t nccl = static_cast<ncclComm_t>(comm);
+    TPF_CHECK_NCCL(ncclGroupStart());
+    const ncclResult_t header_result =
+        ncclAllReduce(headers, headers, size_t(world) * 4, ncclUint32, ncclSum, nccl, stream);
+    const ncclResult_t data_result =
+        ncclAllReduce(input, out, count, nccl_type(dtype), ncclSum, nccl, stream);
+    // The group is closed whatever its calls said, so that NCCL is left with no open group.
+    const ncclResult_t end_result = ncclGroupEnd();
+    TPF_CHECK_NCCL(header_result);
+    TPF_CHECK_NCCL(data_result);
+    TPF_CHECK_NCCL(end_result);
+  }
+
   std::vector<void*> in_process_comms(const std::vector<int>& devices) const override {
     std::vector<ncclComm_t> comms(devices.size());
     TPF_CHECK_NCCL(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));

@@ -134,6 +134,7 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
   std::vector<ControlBlock*> controls(world_size);
   std::vector<int> multiprocessors(world_size);
   std::vector<float*> qk_sums(world_size);
+  std::vector<void*> nccl_headers(world_size);
   // Every rank's error record, then the [world][world] handshake results.
   const size_t host_bytes =
       sizeof(ErrorRecord) * world_size + sizeof(uint32_t) * world_size * world_size;
@@ -161,6 +162,9 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
       TPF_CHECK_CUDA(cudaMalloc(&pointer, options.packet_bytes));
       memory->device_allocations.push_back({devices[r], pointer});
       qk_sums[r] = static_cast<float*>(pointer);
+      TPF_CHECK_CUDA(cudaMalloc(&pointer, kNcclHeaderBytes));
+      memory->device_allocations.push_back({devices[r], pointer});
+      nccl_headers[r] = pointer;
     }
     TPF_CHECK_CUDA(
         cudaDeviceGetAttribute(&multiprocessors[r], cudaDevAttrMultiProcessorCount, devices[r]));
@@ -205,13 +209,18 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
     auto state =
         new_team_state(cuda_backend_ops(), r, world_size, options, device_name, fallback_reason,
                        fallback_reason.empty() ? "cuda peer access" : "none");
-    for (int p = 0; p < world_size; ++p) state->exchange.workspace[p] = workspace[p];
+    // A team without proven peer stores has no workspace to store into (nccl_headers.cu).
+    for (int p = 0; p < world_size; ++p) {
+      state->exchange.workspace[p] = fallback_reason.empty() ? workspace[p] : nullptr;
+    }
     state->exchange.control = controls[r];
     state->exchange.errors = errors + r;
     state->device = devices[r];
-    state->multiprocessors = multiprocessors[r];
+    state->multiprocessors = share_of_multiprocessors(
+        multiprocessors[r], int(std::count(devices.begin(), devices.end(), devices[r])));
     state->nccl_comm = memory->comms.empty() ? nullptr : memory->comms[r];
     state->qk_sums = qk_sums[r];
+    state->nccl_headers = nccl_headers[r];
     state->memory = memory;
     team.emplace_back(std::move(state));
   }

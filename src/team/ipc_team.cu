@@ -323,8 +323,13 @@ Team create_ipc_process_team(const CpuTeamId& id, int rank, int world_size, int 
   state->exchange.control = static_cast<ControlBlock*>(memory->control);
   state->exchange.errors = reinterpret_cast<ErrorRecord*>(memory->host_flags);
   state->device = device;
-  TPF_CHECK_CUDA(
-      cudaDeviceGetAttribute(&state->multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  int multiprocessors = 0;
+  TPF_CHECK_CUDA(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const int ranks_on_device =
+      int(std::count_if(records.begin(), records.end(), [&](const Record& peer) {
+        return std::memcmp(peer.uuid, records[size_t(rank)].uuid, 16) == 0;
+      }));
+  state->multiprocessors = share_of_multiprocessors(multiprocessors, ranks_on_device);
   const Team bootstrap_handle = bootstrap;
   state->peer_status = [bootstrap_handle](int peer) {
     const TeamState* bootstrap_state = bootstrap_handle.state();

@@ -243,13 +243,18 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
   float* qk_sums = nullptr;
   TPF_CHECK_CUDA(cudaMalloc(&qk_sums, options.packet_bytes));
   memory->device_allocations.push_back(qk_sums);
+  void* nccl_headers = nullptr;
+  TPF_CHECK_CUDA(cudaMalloc(&nccl_headers, kNcclHeaderBytes));
+  memory->device_allocations.push_back(nccl_headers);
   TPF_CHECK_CUDA(cudaStreamSynchronize(stream));
 
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
   auto state = new_team_state(cuda_backend_ops(), rank, world, options, properties.name, reason,
                               reason.empty() ? peer_memory : "none");
-  for (int r = 0; r < world; ++r) state->exchange.workspace[r] = workspace[r];
+  // A team without proven peer stores has no workspace to store into (nccl_headers.cu).
+  for (int r = 0; r < world; ++r)
+    state->exchange.workspace[r] = reason.empty() ? workspace[r] : nullptr;
   state->exchange.control = static_cast<ControlBlock*>(control);
   state->exchange.errors = reinterpret_cast<ErrorRecord*>(memory->host_flags);
   state->device = device;
@@ -257,6 +262,7 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
       cudaDeviceGetAttribute(&state->multiprocessors, cudaDevAttrMultiProcessorCount, device));
   state->nccl_comm = comm;
   state->qk_sums = qk_sums;
+  state->nccl_headers = nccl_headers;
   state->memory = memory;
   memory->owns_comm = owns_comm;  // only now: on a throw above, the caller still owns comm
   return Team(std::move(state));

@@ -31,6 +31,7 @@ struct MisuseCounts {
 struct BadArgument {
   const char* what;
   std::function<void(AddRmsNormArgs&)> apply;
+  bool keeps_count = true;  // the call's count still known: a turn on CUDA's NCCL path
 };
 
 inline std::vector<BadArgument> bad_arguments() {
@@ -39,12 +40,13 @@ inline std::vector<BadArgument> bad_arguments() {
       {"gamma is null", [](AddRmsNormArgs& a) { a.gamma = nullptr; }},
       {"input must be 16-byte aligned",
        [](AddRmsNormArgs& a) { a.input = static_cast<const char*>(a.input) + 2; }},
-      {"hidden must be a positive multiple of 8", [](AddRmsNormArgs& a) { a.hidden += 4; }},
+      {"hidden must be a positive multiple of 8", [](AddRmsNormArgs& a) { a.hidden += 4; }, false},
       {"eps", [](AddRmsNormArgs& a) { a.eps = -1.0f; }},
       {"norm_out overlaps gamma",
        [](AddRmsNormArgs& a) { a.norm_out = const_cast<void*>(a.gamma); }},
-      {"dtype 7", [](AddRmsNormArgs& a) { a.dtype = DType(7); }},
-      {"algorithm 9 is not an Algorithm", [](AddRmsNormArgs& a) { a.algorithm = Algorithm(9); }},
+      {"dtype 7", [](AddRmsNormArgs& a) { a.dtype = DType(7); }, false},
+      {"algorithm 9 is not an Algorithm", [](AddRmsNormArgs& a) { a.algorithm = Algorithm(9); },
+       false},
   };
 }
 
@@ -52,6 +54,7 @@ inline std::vector<BadArgument> bad_arguments() {
 struct Disagreement {
   const char* field;
   std::function<bool(AddRmsNormArgs&, int64_t max_tokens)> apply;  // false: not applicable
+  bool keeps_count = false;  // the same count and dtype: NCCL itself completes the call
 };
 
 inline std::vector<Disagreement> disagreements() {
@@ -70,17 +73,20 @@ inline std::vector<Disagreement> disagreements() {
        [](AddRmsNormArgs& a, int64_t) {
          a.eps *= 2.0f;
          return true;
-       }},
+       },
+       true},
       {"norm_weight",
        [](AddRmsNormArgs& a, int64_t) {
          a.norm_weight = NormWeight::kOnePlusGamma;
          return true;
-       }},
+       },
+       true},
       {"residual",
        [](AddRmsNormArgs& a, int64_t) {
          a.residual = nullptr;
          return true;
-       }},
+       },
+       true},
       {"dtype",
        [](AddRmsNormArgs& a, int64_t) {
          a.dtype = a.dtype == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
@@ -122,12 +128,28 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
     spec.dtype = rng() % 2 ? DType::kBFloat16 : DType::kFloat16;
     spec.tokens = 1 + int64_t(rng() % uint64_t(max_tokens));
     spec.hidden = 8 * (1 + int64_t(rng() % (kMaxHidden / 8)));
-    spec.algorithm = rng() % 2 ? Algorithm::kOneShot : Algorithm::kTwoShot;
+    // The NCCL path too where the team has one (CPU: its stand-in). NCCL cannot complete a call
+    // whose ranks pass different counts, so there only faults that keep the count are drawn.
+    const bool nccl =
+        harness.team()[0].max_tokens(spec.hidden, spec.dtype, Algorithm::kNccl) >= spec.tokens;
+    const int paths = nccl ? 3 : 2;
+    const int path = int(rng() % uint64_t(paths));
+    spec.algorithm = path == 0   ? Algorithm::kOneShot
+                     : path == 1 ? Algorithm::kTwoShot
+                                 : Algorithm::kNccl;
     const CaseData data = random_case(rng, spec, world);
     const int faulty = int(rng() % uint64_t(world));
     const int kind = int(rng() % 8);  // 0: a bad argument, 1: a disagreement, else good
-    const BadArgument& argument = bad[rng() % bad.size()];
-    const Disagreement& difference = disagree[rng() % disagree.size()];
+    std::vector<const BadArgument*> bad_here;
+    for (const BadArgument& b : bad) {
+      if (b.keeps_count || spec.algorithm != Algorithm::kNccl) bad_here.push_back(&b);
+    }
+    std::vector<const Disagreement*> disagree_here;
+    for (const Disagreement& d : disagree) {
+      if (d.keeps_count || spec.algorithm != Algorithm::kNccl) disagree_here.push_back(&d);
+    }
+    const BadArgument& argument = *bad_here[rng() % bad_here.size()];
+    const Disagreement& difference = *disagree_here[rng() % disagree_here.size()];
     const size_t count = size_t(spec.tokens * spec.hidden);
     const size_t row_bytes = count * dtype_size(spec.dtype);
     const HostTensor poison = poisoned(spec.dtype, count);
@@ -223,10 +245,13 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
               << what << ": rank " << r << " got '" << errors[r] << "'";
         }
         field_told = field_told || (own && contains(errors[r], difference.field));
-        // On the CPU every output of a call that began is NaN, every element; a call the team
-        // refused (its failure seen at the start) wrote nothing. (The GPU's waits end with NaN
-        // where a disagreeing peer's data did not arrive; Team::check tells the failure.)
-        if (harness.team()[r].backend() != Backend::kCpu) continue;
+        // On the CPU, and on CUDA's NCCL path (its header check), every output of a call that
+        // began is NaN, every element; a call the team refused (its failure seen at the start)
+        // wrote nothing. (The GPU's fused waits end with NaN where a disagreeing peer's data did
+        // not arrive; Team::check tells the failure.)
+        if (harness.team()[r].backend() != Backend::kCpu && spec.algorithm != Algorithm::kNccl) {
+          continue;
+        }
         // The rank's own call's outputs (the faulty rank's shape may differ).
         const size_t own_count = size_t(args[r].tokens * args[r].hidden);
         const size_t own_bytes = own_count * dtype_size(args[r].dtype);

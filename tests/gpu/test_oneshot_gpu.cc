@@ -15,6 +15,7 @@
 #include "core/calls.h"
 #include "cuda/kernels.h"
 #include "cuda_harness.h"
+#include "misuse_properties.h"
 #include "oneshot_properties.h"
 #include "qknorm_properties.h"
 
@@ -306,6 +307,23 @@ TEST_F(GpuOneShot, MissingPeerIsReportedNotWaitedFor) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_THROW(allreduce(harness.team()[0], input, out, 1024, DType::kBFloat16, harness.stream(0)),
                Error);
+}
+
+// Rejected and disagreeing calls at random on every path, NCCL's included (its call headers,
+// src/cuda/nccl_headers.cu: a rejected call's turn, NaN outputs, the mismatch told), and the
+// next call correct.
+TEST_F(GpuOneShot, MisuseOnEveryPathReportedAndTheNextCallCorrect) {
+  TeamOptions options;
+  options.peer_timeout_seconds = 5.0;
+  std::vector<int> devices(static_cast<size_t>(gpus()));
+  for (int r = 0; r < gpus(); ++r) devices[size_t(r)] = r;
+  CudaHarness harness(gpus(), options);
+  const MisuseCounts counts =
+      check_misuse(harness, 1020, 300, 8, [&] { return create_cuda_team(devices, options); });
+  EXPECT_GT(counts.rejected, 10);
+  EXPECT_GT(counts.disagreeing, 10);
+  std::printf("%d GPUs: %d good, %d rejected, %d disagreeing calls\n", gpus(), counts.good,
+              counts.rejected, counts.disagreeing);
 }
 
 TEST_F(GpuOneShot, WrongDeviceArgumentsAreRejected) {

@@ -45,8 +45,10 @@ enum class CallOp : uint32_t {
   kRowsTwoShot = 2,  // the same, two-shot
   kQkOneShot = 3,    // allreduce_qk_rmsnorm, fused
   kRejected = 4,     // the sender rejected its call and sends no packets
-  kNccl = 5,  // the CPU backend's NCCL path: its sums go one-shot, labelled so that a fused peer
-              // is told the algorithm differs
+  kNccl = 5,         // the NCCL path (CUDA: NCCL's all-reduce; the CPU: a stand-in whose sums go
+                     // one-shot), labelled so that a fused peer is told the algorithm differs
+  kFailed = 6,  // the sender's team has failed: word[1] the failure's kind, word[2] the rank it
+                // names (a turn on the NCCL path of a call refused there: failed_signature)
 };
 // word[0] bit of a kNccl header whose all-reduce serves the QK norm (its sums), not a row call.
 constexpr uint32_t kStandInQkBit = 1u << 21;
@@ -142,6 +144,12 @@ struct FailureMark {
 constexpr uint32_t kUnknownSequence = 0x7fffffffu;  // a mark whose call number is not known
 TPF_HOST_DEVICE Vec16 failure_mark(CallError kind, int rank, int named, uint32_t sequence) {
   return Vec16{{uint32_t(kind), uint32_t(rank), uint32_t(named), sequence & 0x7fffffffu}};
+}
+
+// What a rank whose team has failed sends in its turn on the NCCL path (CallOp::kFailed): a peer
+// records it as its own failure (kPeerFailed), as it would a failure mark.
+TPF_HOST_DEVICE CallSignature failed_signature(CallError kind, int named) {
+  return make_signature(uint32_t(CallOp::kFailed), uint32_t(kind), uint32_t(named), nullptr, 0);
 }
 
 // One rank's errors, in host memory (mapped into the device on CUDA) so the host reads them
