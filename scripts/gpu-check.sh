@@ -214,7 +214,8 @@ if [[ " $STEPS " == *" ab "* ]]; then
   fi
   mkdir -p "$OUT/ab"
   # The order alternates by round (base new, new base, ...): the side run second in every round
-  # measured ~0.5% slower on unchanged kernels (bench/studies/h200-20261204-d5e887c-slot-clear).
+  # measured ~0.5% slower on unchanged kernels
+  # (cdd3d3d:bench/studies/h200-20261204-d5e887c-slot-clear, docs/notebook.md).
   for round in $(seq 1 ${AB_ROUNDS:-2}); do
     order="base new"
     [ $((round % 2)) -eq 0 ] && order="new base"

@@ -16,7 +16,7 @@ namespace tpfuse::impl {
 // NVLink now rather than sitting in L1, and is not merged or reordered away by the compiler. No
 // release is needed: the packet is its own flag (a receiver consumes exactly the words it saw
 // change from the sentinel) and nothing else is published with it. (Plain weak stores time the
-// same: bench/studies/h200x2-20261130-57e6130.md.)
+// same: cdd3d3d:bench/studies/h200x2-20261130-57e6130.md.)
 __device__ __forceinline__ void store_packet(Vec16* address, const Vec16& v) {
   asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(v.word[0]),
                "r"(v.word[1]), "r"(v.word[2]), "r"(v.word[3])
@@ -321,7 +321,7 @@ __device__ __forceinline__ void fetch_headers(const Session& session, const Exch
 
 // No function calls here or in the polls: any call in a kernel makes ptxas reserve the calling
 // convention's registers in the whole kernel
-// (bench/studies/h200-20261201-8d6265e-nothing-silent.md).
+// (cdd3d3d:bench/studies/h200-20261201-8d6265e-nothing-silent.md).
 template <typename Session>
 __device__ __forceinline__ void check_header(const Session& session, const Exchange& x,
                                              const CallSignature& mine, EarlyHeaders& early) {

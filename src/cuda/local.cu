@@ -35,10 +35,10 @@ namespace {
 // copy never lands where the thread is still reading; a thread reads back only what it copied, so
 // no barrier is needed. Not where two or more blocks fit (the other blocks' loads overlap the
 // reduction) nor for four-vector rows (twice the loads in flight already): staging slows those
-// (bench/studies/h200-20261202-local-staging/). Not for the MoE combine.
+// (cdd3d3d:bench/studies/h200-20261202-local-staging/). Not for the MoE combine.
 // Up to this many elements a call lets the next kernel launch as its blocks finish, above as they
 // start: the next grid's early blocks take residency from a small call's rows, while a large
-// call's drain overlaps the next launch (bench/studies/h200-20261202-local-trigger/).
+// call's drain overlaps the next launch (cdd3d3d:bench/studies/h200-20261202-local-trigger/).
 constexpr int64_t kLateTriggerElements = int64_t{1} << 21;
 
 template <typename T, typename Epilogue, int kVecsPerThread, bool kStage>

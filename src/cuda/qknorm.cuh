@@ -802,7 +802,8 @@ constexpr bool qk_kernel_exists() {
 }  // namespace
 
 // Tokens a block of the many-token kernel holds at once: fewer share each exchange among fewer
-// tokens, more spill registers with RoPE (bench/studies/h200-20261202-eee69af-qk-many-tokens/).
+// tokens, more spill registers with RoPE
+// (cdd3d3d:bench/studies/h200-20261202-eee69af-qk-many-tokens/, docs/notebook.md).
 constexpr int kQkTokenGroup = 4;
 
 // Whether the fused QK norm takes the many-token kernel, whose grid (`group_grid`: its resident

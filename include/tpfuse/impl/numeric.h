@@ -242,7 +242,8 @@ struct Packed {
 
 // The 8 bf16 lanes of a vector by whole words: to_float of each half of a word, one instruction
 // each (a shift and a mask), the same bits. unpack<BFloat16> takes it on the GPU; on the host the
-// element-wise form vectorizes better (bench/studies/h200-20261204-9c963c6-qk-instructions/).
+// element-wise form vectorizes better
+// (cdd3d3d:bench/studies/h200-20261204-9c963c6-qk-instructions/, docs/notebook.md).
 TPF_HOST_DEVICE void unpack_bf16_words(const Vec16& v, float (&out)[8]) {
   TPF_UNROLL
   for (int i = 0; i < 4; ++i) {
