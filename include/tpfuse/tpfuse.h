@@ -271,7 +271,8 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 // ends at once (NaN outputs, Team::check reports this rank) and the team goes on. The tpfuse ops
 // do this themselves when they reject their arguments. On the CPU it blocks until the peers'
 // calls arrive (on any path: the CPU's NCCL stand-in takes turns too). Nothing happens on a CUDA
-// team's NCCL path (NCCL's all-reduce has no turn to take: ranks there must make the same call).
+// team's NCCL path: a turn there is an all-reduce of the call's count, which this call does not
+// know (the ops' own rejections of a well-formed call take it).
 void reject_call(const Team& team, cudaStream_t stream = nullptr);
 
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
