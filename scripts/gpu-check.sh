@@ -3,6 +3,7 @@
 # compute-sanitizer pass, and tpfuse-bench; logs and results go under $OUT.
 #
 #   OUT=/tmp/out STEPS="build test sanitize bench peers experiments ab profile python e2e cpu" scripts/gpu-check.sh
+#   OUT=/tmp/out STEPS=pair scripts/gpu-check.sh     (on two NVLinked GPUs: every pair step)
 #
 # peers: bench/peers.py (FlashInfer, torch symmetric memory, tpfuse from torch, the local kernels)
 # into the bench step's results file; PEERS_ARGS narrows it. python: the torch ops' tests (tests/python, the GPU one included: one process per GPU, the
@@ -26,6 +27,14 @@ cd "$(dirname "$0")/.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-$PWD/gpu-out}
 STEPS=${STEPS:-"build test sanitize bench"}
+# pair: everything that needs two GPUs joined by NVLink, in one call (docs/benchmarks.md says what
+# each step measures there): the tests (the NCCL path's headers and faults among them, their log
+# kept as pair-faults.log), the sanitizers, tpfuse-bench with the peers, the Python ops and
+# benchmarks, e2e and transformers; with AB_BASE set, the A/B over NVLink too.
+if [[ " $STEPS " == *" pair "* ]]; then
+  STEPS="${STEPS/pair/} build test sanitize bench peers python e2e transformers${AB_BASE:+ ab}"
+  PAIR=1
+fi
 BUILD=build/gpu
 mkdir -p "$OUT"
 status=0
@@ -103,6 +112,14 @@ if [[ " $STEPS " == *" test "* ]]; then
     $([ $one_gpu = 1 ] && echo "-E OneGpuProcesses") --output-on-failure -j 1 --timeout 150 >"$OUT/ctest.log" 2>&1 || status=1
   tail -15 "$OUT/ctest.log"
   grep -E "Failed|\*\*\*" "$OUT/ctest.log" | head -20
+  if [ -n "${PAIR:-}" ]; then
+    # The faults on every path across GPUs (the NCCL path's call headers: a rejected call's turn,
+    # disagreements, NaN outputs), whole log kept.
+    timeout 600 "$BUILD/tests/test_oneshot_gpu" \
+      --gtest_filter='GpuOneShot.MisuseOnEveryPath*:GpuOneShot.MissingPeer*:GpuOneShot.TeamWithoutPeerStoresUsesNccl:Forced/GpuAlgorithms.*' \
+      >"$OUT/pair-faults.log" 2>&1 || status=1
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|good, .* rejected" "$OUT/pair-faults.log" | tail -20
+  fi
   if [ $one_gpu = 1 ]; then
     timeout 900 "$BUILD/tests/test_multiprocess_one_gpu" >"$OUT/multiprocess_one_gpu.log" 2>&1 || status=1
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[       OK|^\[  FAILED" "$OUT/multiprocess_one_gpu.log" | tail -20
