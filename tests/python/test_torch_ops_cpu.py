@@ -188,7 +188,8 @@ class AddRmsNorm(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "residual must be a tensor"):
             tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6)
         # The raw op takes None where its schema has a tensor: named, not "got UNKNOWN_SCALAR".
-        with self.assertRaisesRegex(RuntimeError, "allreduce_add_rmsnorm_: residual is None"):
+        with self.assertRaisesRegex(TypeError,
+                                    "allreduce_add_rmsnorm_: residual must be a tensor, got None"):
             torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, x.clone(), None, weight, 1e-6)
         # The in-place ops name their own arguments, not the library's norm_out / gamma.
         storage = torch.zeros(3 * 2 * 64, dtype=torch.bfloat16)
@@ -365,17 +366,19 @@ class Fp8Outputs(unittest.TestCase):
         weight = torch.ones(256, dtype=torch.bfloat16)
         cases = [
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static"),
-             "quant 1 \\(static scale\\) needs scale"),
+             "quant fp8 static needs the scale"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static",
                                                       torch.ones(2)), "scale must be a float32 "
              "tensor of one element"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "per_token",
-                                                      torch.ones(1)), "scale is given but quant 2"),
+                                                      torch.ones(1)),
+             "quant_scale is given but quant is fp8 per token"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x[:, :192], x[:, :192],
                                                       weight[:192], 1e-6, 3),
              "hidden must be a multiple of 128"),
             (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, 7),
-             "quant must be 1 \\(static scale\\), 2 \\(per token\\) or 3"),
+             "quant must be 1 \\(static\\), 2 \\(per_token\\) or 3 "
+             "\\(per_token_group_128\\), got 7"),
         ]
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
@@ -466,7 +469,7 @@ class MoeFinalize(unittest.TestCase):
             (lambda: op(team, torch.randn(2, 17, 64, dtype=torch.bfloat16), torch.rand(2, 17),
                         residual, weight, 1e-6), "moe_topk must be in \\[1, 16\\], got 17"),
             (lambda: op(team, rows, weights, residual, weight, 1e-6, quant="static"),
-             "quant 1 \\(static scale\\) needs scale"),
+             "quant fp8 static needs the scale"),
         ]
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
@@ -708,7 +711,7 @@ class QkRope(unittest.TestCase):
                 out[rank][0].double(), rotated.reshape(tokens, q_size), atol=3e-2, rtol=3e-2
             )
         (alone,) = tpfuse.cpu_team(1)
-        with self.assertRaisesRegex(RuntimeError, "positions or cos_sin_cache is missing"):
+        with self.assertRaisesRegex(RuntimeError, "positions is null but rope is set"):
             tpfuse.allreduce_qk_rmsnorm(
                 alone, qkv[0], ones_q, ones_k, q_size, kv_size, q_size, kv_size, 1e-6,
                 rope_style=tpfuse.RopeStyle.NEOX, head_dim=head_dim, rotary_dim=rotary_dim,
