@@ -77,15 +77,16 @@ struct MemberOf<Type Class::*> {
 // One argument of an op (after its team): a member of the op's Call.
 template <typename Call>
 struct Argument {
-  const char* name;
-  const char* type;          // in the schema
-  std::string default_text;  // in the schema ("" for none)
-  bool is_written = false;   // Tensor(a!): the op writes into it
-  bool is_required = false;  // an optional<at::Tensor> member this op requires
+  const char* name = nullptr;
+  const char* type = nullptr;  // in the schema
+  std::string default_text;    // in the schema ("" for none)
+  bool is_written = false;     // Tensor(a!): the op writes into it
+  bool is_required = false;    // an optional<at::Tensor> member this op requires
   const EnumDescription* enumeration = nullptr;
   std::vector<int64_t> values;                  // an enum's: the enumerators the op takes
   std::optional<int64_t> python_default_value;  // where the Python wrapper has one, the schema not
-  void (*read)(Call& call, const c10::IValue& value, const char* op, const Argument& argument);
+  void (*read)(Call& call, const c10::IValue& value, const char* op,
+               const Argument& argument) = nullptr;
 
   // The op writes into this tensor (in place): Tensor(a!) in the schema.
   Argument written() const {
@@ -168,7 +169,9 @@ void read_member(typename MemberOf<decltype(kMember)>::Call& call, const c10::IV
 template <auto kMember>
 Argument<typename MemberOf<decltype(kMember)>::Call> arg(const char* name) {
   using T = typename MemberOf<decltype(kMember)>::T;
-  Argument<typename MemberOf<decltype(kMember)>::Call> argument{name, schema_type<T>()};
+  Argument<typename MemberOf<decltype(kMember)>::Call> argument;
+  argument.name = name;
+  argument.type = schema_type<T>();
   argument.read = &read_member<kMember>;
   if constexpr (std::is_enum_v<T>) {
     argument.enumeration = &enum_description<T>();

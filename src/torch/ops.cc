@@ -77,7 +77,7 @@ class Registry {
 
 // Runs `call` with the team's device current (CUDA).
 template <typename Fn>
-void on_device(const Team& team, Fn&& call) {
+void on_device([[maybe_unused]] const Team& team, Fn&& call) {
 #if TPFUSE_TORCH_CUDA
   if (team.backend() == Backend::kCuda) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(team.device()));
@@ -90,7 +90,7 @@ void on_device(const Team& team, Fn&& call) {
 
 // The stream a rank's turn goes on when the call's own tensors cannot say (they were what was
 // wrong): torch's current stream of the team's device, none on the CPU.
-cudaStream_t turn_stream(const Team& team) {
+cudaStream_t turn_stream([[maybe_unused]] const Team& team) {
 #if TPFUSE_TORCH_CUDA
   if (team.backend() == Backend::kCuda) {
     return c10::cuda::getCurrentCUDAStream(team.device()).stream();
@@ -780,7 +780,10 @@ std::string version_op() {
 
 TORCH_LIBRARY(tpfuse, m) {
   using namespace tpfuse::torch_ops;
-  for_each_fused_op([&](const auto& op) { m.def(schema_of(op).c_str()); });
+  for_each_fused_op([&](const auto& op) {
+    python_order(op);  // checked here, when the library loads
+    m.def(schema_of(op).c_str());
+  });
   m.def("describe() -> str", &describe);
   m.def("create_cpu_team(int world_size, int packet_bytes, float peer_timeout_seconds) -> int[]",
         &create_cpu_team_op);

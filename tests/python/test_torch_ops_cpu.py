@@ -767,6 +767,70 @@ class EnumArguments(unittest.TestCase):
         team.close()
 
 
+class Declarations(unittest.TestCase):
+    """Each fused op is declared once, in C++ (src/torch/ops.cc): its schema is what graphs and
+    users call (the passes match these), and the Python wrappers and enums are made from it."""
+
+    SCHEMAS = [
+        "tpfuse::allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor weight, "
+        "float eps, int algorithm=0, int norm_weight=0) -> (Tensor norm_out, Tensor residual_out)",
+        "tpfuse::allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, "
+        "Tensor weight, float eps, int algorithm=0, int norm_weight=0) -> ()",
+        "tpfuse::allreduce_add_rmsnorm_fp8(int team, Tensor input, Tensor? residual, "
+        "Tensor weight, float eps, int quant, Tensor? scale=None, bool column_major_scales=False, "
+        "int algorithm=0, int norm_weight=0, bool keep_norm=True) -> (Tensor norm_out, "
+        "Tensor residual_out, Tensor quant_out, Tensor scales)",
+        "tpfuse::allreduce_add_rmsnorm_fp8_(int team, Tensor(a!) input, Tensor(b!) residual, "
+        "Tensor weight, float eps, int quant, Tensor? scale=None, bool column_major_scales=False, "
+        "int algorithm=0, int norm_weight=0, bool keep_norm=True) -> (Tensor quant_out, "
+        "Tensor scales)",
+        "tpfuse::allreduce_moe_finalize_add_rmsnorm(int team, Tensor expert_rows, "
+        "Tensor routing_weights, Tensor residual, Tensor weight, float eps, "
+        "Tensor? shared_expert=None, int algorithm=0) -> (Tensor norm_out, Tensor residual_out)",
+        "tpfuse::allreduce_moe_finalize_add_rmsnorm_fp8(int team, Tensor expert_rows, "
+        "Tensor routing_weights, Tensor residual, Tensor weight, float eps, int quant, "
+        "Tensor? scale=None, bool column_major_scales=False, Tensor? shared_expert=None, "
+        "int algorithm=0, bool keep_norm=True) -> (Tensor norm_out, Tensor residual_out, "
+        "Tensor quant_out, Tensor scales)",
+        "tpfuse::allreduce(int team, Tensor input, int algorithm=0) -> Tensor",
+        "tpfuse::allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_weight, Tensor k_weight, "
+        "int q_size, int kv_size, int q_global_size, int k_global_size, int kv_replicas, "
+        "float eps, Tensor? positions=None, Tensor? cos_sin_cache=None, int head_dim=0, "
+        "int rotary_dim=0, int rope_style=0, int algorithm=0) -> (Tensor q, Tensor k)",
+    ]
+
+    def test_schemas_are_the_published_ones(self):
+        import json
+        described = json.loads(torch.ops.tpfuse.describe())["ops"]
+        self.assertEqual(len(described), len(self.SCHEMAS))
+        for schema in self.SCHEMAS:
+            name = schema[len("tpfuse::"):schema.index("(")]
+            self.assertIn(name, described)
+            self.assertEqual(str(getattr(torch.ops.tpfuse, name).default._schema), schema)
+
+    def test_python_follows_the_description(self):
+        import inspect
+        import json
+        description = json.loads(torch.ops.tpfuse.describe())
+        enums = description["enums"]
+        self.assertEqual(tpfuse.ALGORITHMS, enums["Algorithm"])
+        for python, cpp in ((tpfuse.Algorithm, "Algorithm"), (tpfuse.NormWeight, "NormWeight"),
+                            (tpfuse.RopeStyle, "RopeStyle")):
+            self.assertEqual({m.name.lower(): int(m) for m in python}, enums[cpp])
+        self.assertEqual({m.name.lower(): int(m) for m in tpfuse.Quant},
+                         {k: v for k, v in enums["QuantMode"].items() if k != "none"})
+        # Each op's wrapper is tpfuse.<op>, but for the MoE ops': tpfuse's MoE wrapper has the
+        # FP8 op's parameters (quant None calls the op without FP8 output).
+        public = {name: name for name in description["ops"]}
+        public["allreduce_moe_finalize_add_rmsnorm_fp8"] = public.pop(
+            "allreduce_moe_finalize_add_rmsnorm")
+        for name, wrapper_name in public.items():
+            wrapper = getattr(tpfuse, wrapper_name)
+            parameters = ["team"] + description["ops"][name]["python"]
+            self.assertEqual(list(inspect.signature(wrapper).parameters), parameters)
+            self.assertIs(wrapper.op, getattr(torch.ops.tpfuse, name).default)
+
+
 class Compile(unittest.TestCase):
     """A team of one rank runs alone, so the ops can be checked and compiled without threads."""
 
