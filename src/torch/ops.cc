@@ -273,6 +273,38 @@ std::vector<at::Tensor> rows_shapes(const RowsCall& call, const OpForm& form) {
   return outputs;
 }
 
+// The MoE forms' contribution, checked against their rows (the residual): AddRmsNormArgs::moe_*.
+void set_moe_arguments(const RowsCall& call, const char* op, AddRmsNormArgs& args) {
+  const at::Tensor& rows = call.rows();
+  const at::Tensor& experts = call.expert_rows;
+  check_like(experts, rows, op, "expert_rows");
+  TORCH_CHECK(
+      experts.dim() == 3 && experts.size(0) == rows.size(0) && experts.size(2) == rows.size(1),
+      "tpfuse::", op, ": expert_rows must be [tokens = ", rows.size(0),
+      ", topk, hidden = ", rows.size(1), "], got ", experts.sizes());
+  const at::Tensor& weights = call.routing_weights;
+  TORCH_CHECK(weights.scalar_type() == at::kFloat || weights.scalar_type() == experts.scalar_type(),
+              "tpfuse::", op, ": routing_weights must be float32 or ", experts.scalar_type(),
+              ", got ", weights.scalar_type());
+  TORCH_CHECK(weights.device() == rows.device() && weights.is_contiguous(), "tpfuse::", op,
+              ": routing_weights must be contiguous and on ", rows.device());
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == experts.size(0) &&
+                  weights.size(1) == experts.size(1),
+              "tpfuse::", op, ": routing_weights must be [tokens, topk] = [", experts.size(0), ", ",
+              experts.size(1), "], got ", weights.sizes());
+  if (call.shared_expert) {
+    check_like(*call.shared_expert, rows, op, "shared_expert");
+    TORCH_CHECK(call.shared_expert->sizes() == rows.sizes(), "tpfuse::", op,
+                ": shared_expert must be ", rows.sizes(), ", got ", call.shared_expert->sizes());
+  }
+  args.moe_expert_rows = experts.data_ptr();
+  args.moe_weights = weights.data_ptr();
+  args.moe_shared = call.shared_expert ? call.shared_expert->data_ptr() : nullptr;
+  // Past the library's limit, but not wrapped: its check names the count.
+  args.moe_topk = int(std::min<int64_t>(experts.size(1), kMaxMoeTopK + 1));
+  args.moe_weights_in_dtype = weights.scalar_type() != at::kFloat;
+}
+
 std::vector<at::Tensor> run_rows(const RowsCall& call, const OpForm& form, Launch& launch) {
   const char* op = form.name;
   const at::Tensor& rows = call.rows();
@@ -291,34 +323,7 @@ std::vector<at::Tensor> run_rows(const RowsCall& call, const OpForm& form, Launc
 
   AddRmsNormArgs args;
   if (call.moe()) {
-    const at::Tensor& experts = call.expert_rows;
-    check_like(experts, rows, op, "expert_rows");
-    TORCH_CHECK(
-        experts.dim() == 3 && experts.size(0) == rows.size(0) && experts.size(2) == rows.size(1),
-        "tpfuse::", op, ": expert_rows must be [tokens = ", rows.size(0),
-        ", topk, hidden = ", rows.size(1), "], got ", experts.sizes());
-    const at::Tensor& weights = call.routing_weights;
-    TORCH_CHECK(
-        weights.scalar_type() == at::kFloat || weights.scalar_type() == experts.scalar_type(),
-        "tpfuse::", op, ": routing_weights must be float32 or ", experts.scalar_type(), ", got ",
-        weights.scalar_type());
-    TORCH_CHECK(weights.device() == rows.device() && weights.is_contiguous(), "tpfuse::", op,
-                ": routing_weights must be contiguous and on ", rows.device());
-    TORCH_CHECK(weights.dim() == 2 && weights.size(0) == experts.size(0) &&
-                    weights.size(1) == experts.size(1),
-                "tpfuse::", op, ": routing_weights must be [tokens, topk] = [", experts.size(0),
-                ", ", experts.size(1), "], got ", weights.sizes());
-    if (call.shared_expert) {
-      check_like(*call.shared_expert, rows, op, "shared_expert");
-      TORCH_CHECK(call.shared_expert->sizes() == rows.sizes(), "tpfuse::", op,
-                  ": shared_expert must be ", rows.sizes(), ", got ", call.shared_expert->sizes());
-    }
-    args.moe_expert_rows = experts.data_ptr();
-    args.moe_weights = weights.data_ptr();
-    args.moe_shared = call.shared_expert ? call.shared_expert->data_ptr() : nullptr;
-    // Past the library's limit, but not wrapped: its check names the count.
-    args.moe_topk = int(std::min<int64_t>(experts.size(1), kMaxMoeTopK + 1));
-    args.moe_weights_in_dtype = weights.scalar_type() != at::kFloat;
+    set_moe_arguments(call, op, args);
   } else {
     args.input = call.input.data_ptr();
   }

@@ -946,6 +946,24 @@ class Compile(unittest.TestCase):
                 if out.numel() != 0:  # not keep_norm=False's [0, hidden], static's no scales
                     self.assertIsInstance(out.shape[0], torch.SymInt, f"{name}: {out.shape}")
 
+    def test_wrappers_compile_into_one_graph(self):
+        # The wrappers (enum names included) trace without a graph break.
+        handle = self.team.handle
+
+        def block(x, residual, weight):
+            norm, residual = tpfuse.allreduce_add_rmsnorm(handle, x, residual, weight, 1e-6,
+                                                          "oneshot", "gamma")
+            q8, scales = tpfuse.allreduce_add_rmsnorm_fp8_(handle, norm.clone(), residual.clone(),
+                                                           weight, 1e-6, "per_token")
+            return norm * 2, residual, q8.float(), scales
+
+        x = torch.randn(4, 128, dtype=torch.bfloat16)
+        residual = torch.randn(4, 128, dtype=torch.bfloat16)
+        weight = torch.ones(128, dtype=torch.bfloat16)
+        compiled = torch.compile(block, fullgraph=True)
+        for got, want in zip(compiled(x, residual, weight), block(x, residual, weight)):
+            self.assertTrue(torch.equal(got, want))
+
     def test_compiled_graph_holds_the_op_and_matches_eager(self):
         handle = self.team.handle
 
