@@ -23,6 +23,7 @@ __version__ = torch.ops.tpfuse.version()
 
 from .ops import (  # noqa: E402  (the library must be loaded first)
     ALGORITHMS,
+    Algorithm,
     NormWeight,
     Quant,
     RopeStyle,
@@ -40,6 +41,7 @@ from .team import Team, cpu_team, cuda_team  # noqa: E402
 __all__ = [
     "__version__",
     "ALGORITHMS",
+    "Algorithm",
     "NormWeight",
     "Quant",
     "RopeStyle",

@@ -58,7 +58,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .ops import QUANT_GROUP_SIZE, QUANT_MIN_AMAX
+from .ops import QUANT_GROUP_SIZE, QUANT_MIN_AMAX, Algorithm, NormWeight, Quant, RopeStyle
 from .team import Team
 
 aten = torch.ops.aten
@@ -197,11 +197,12 @@ def _norm_zero_centered(h, weight, eps):
     return (hf * _rstd(hf, eps) * (1.0 + weight.float())).type_as(h)
 
 
+# (Enum values as plain ints in the graphs: the op's schema takes int.)
 NORM_FORMS: Dict[str, tuple] = {
-    "weight_first": (_norm_weight_first, 0),
-    "weight_last": (_norm_weight_last, 0),
-    "functional": (_norm_functional, 0),
-    "zero_centered": (_norm_zero_centered, 1),
+    "weight_first": (_norm_weight_first, int(NormWeight.GAMMA)),
+    "weight_last": (_norm_weight_last, int(NormWeight.GAMMA)),
+    "functional": (_norm_functional, int(NormWeight.GAMMA)),
+    "zero_centered": (_norm_zero_centered, int(NormWeight.ONE_PLUS_GAMMA)),
 }
 
 
@@ -526,7 +527,7 @@ class QkNormRope(FusedPattern):
                 kv_size=arguments["kv_size"], q_global_size=arguments["q_global_size"],
                 k_global_size=arguments["k_global_size"], kv_replicas=arguments["kv_replicas"],
                 eps=arguments["eps"], positions=positions, cos_sin_cache=cos_sin_cache,
-                head_dim=head_dim, rotary_dim=rotary_dim, rope_style=1,
+                head_dim=head_dim, rotary_dim=rotary_dim, rope_style=int(RopeStyle.NEOX),
                 algorithm=arguments["algorithm"],
             )
             return (k, q) if swapped else (q, k)
@@ -548,7 +549,8 @@ class QkNormRope(FusedPattern):
             return None
         if not isinstance(op, torch.fx.Node) or op.target != FUSED_QK or len(op.users) != 2:
             return None
-        if len(q.users) != 1 or len(k.users) != 1 or op_arguments(op)["rope_style"] != 0:
+        if (len(q.users) != 1 or len(k.users) != 1
+                or op_arguments(op)["rope_style"] != RopeStyle.NONE):
             return None
         return op
 
@@ -654,9 +656,11 @@ class NormQuantFp8(FusedPattern):
 
     # quant: tpfuse.Quant's value; the stat counts the sites by the bench's op names.
     modes = {
-        "static": (quant_fp8_static, 1, "allreduce_add_rmsnorm_fp8"),
-        "per_token": (quant_fp8_per_token, 2, "allreduce_add_rmsnorm_fp8_token"),
-        "group128": (quant_fp8_group, 3, "allreduce_add_rmsnorm_fp8_group128"),
+        "static": (quant_fp8_static, int(Quant.STATIC), "allreduce_add_rmsnorm_fp8"),
+        "per_token": (quant_fp8_per_token, int(Quant.PER_TOKEN),
+                      "allreduce_add_rmsnorm_fp8_token"),
+        "group128": (quant_fp8_group, int(Quant.PER_TOKEN_GROUP_128),
+                     "allreduce_add_rmsnorm_fp8_group128"),
     }
 
     def __init__(self, fusion, mode: str):
@@ -899,7 +903,8 @@ class TpfusePass(CustomGraphPass):
         # norm_weight only when it is not the default, so builds without it take the plain form.
         extra = {"norm_weight": norm_weight} if norm_weight else {}
         norm, residual_out = FUSED_NORM(
-            self.team, x.reshape(-1, hidden), rows, gamma, eps, algorithm=0, **extra
+            self.team, x.reshape(-1, hidden), rows, gamma, eps, algorithm=int(Algorithm.AUTO),
+            **extra
         )
         return norm.view(x.shape), residual_out.view(x.shape)
 

@@ -10,6 +10,7 @@
 #include "core/selection.h"
 #include "core/team_state.h"
 #include "core/validate.h"
+#include "tpfuse/impl/enums.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse {
@@ -39,13 +40,7 @@ size_t dtype_size(DType dtype) {
 }
 
 const char* norm_weight_name(NormWeight weight) {
-  switch (weight) {
-    case NormWeight::kGamma:
-      return "gamma";
-    case NormWeight::kOnePlusGamma:
-      return "one_plus_gamma";
-  }
-  return "unknown";
+  return impl::enumerator_name(weight);
 }
 
 const char* quant_mode_name(QuantMode mode) {

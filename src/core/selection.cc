@@ -18,17 +18,7 @@
 namespace tpfuse {
 
 const char* algorithm_name(Algorithm algorithm) {
-  switch (algorithm) {
-    case Algorithm::kAuto:
-      return "auto";
-    case Algorithm::kOneShot:
-      return "oneshot";
-    case Algorithm::kTwoShot:
-      return "twoshot";
-    case Algorithm::kNccl:
-      return "nccl";
-  }
-  return "unknown";
+  return impl::enumerator_name(algorithm);
 }
 
 namespace impl {

@@ -188,7 +188,8 @@ class AddRmsNorm(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "residual must be a tensor"):
             tpfuse.allreduce_add_rmsnorm_(team, x.clone(), None, weight, 1e-6)
         # The raw op takes None where its schema has a tensor: named, not "got UNKNOWN_SCALAR".
-        with self.assertRaisesRegex(RuntimeError, "allreduce_add_rmsnorm_: residual is None"):
+        with self.assertRaisesRegex(TypeError,
+                                    "allreduce_add_rmsnorm_: residual must be a tensor, got None"):
             torch.ops.tpfuse.allreduce_add_rmsnorm_(team.handle, x.clone(), None, weight, 1e-6)
         # The in-place ops name their own arguments, not the library's norm_out / gamma.
         storage = torch.zeros(3 * 2 * 64, dtype=torch.bfloat16)
@@ -365,17 +366,19 @@ class Fp8Outputs(unittest.TestCase):
         weight = torch.ones(256, dtype=torch.bfloat16)
         cases = [
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static"),
-             "quant 1 \\(static scale\\) needs scale"),
+             "quant fp8 static needs the scale"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "static",
                                                       torch.ones(2)), "scale must be a float32 "
              "tensor of one element"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x, x, weight, 1e-6, "per_token",
-                                                      torch.ones(1)), "scale is given but quant 2"),
+                                                      torch.ones(1)),
+             "quant_scale is given but quant is fp8 per token"),
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x[:, :192], x[:, :192],
                                                       weight[:192], 1e-6, 3),
              "hidden must be a multiple of 128"),
             (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, 7),
-             "quant must be 1 \\(static scale\\), 2 \\(per token\\) or 3"),
+             "quant must be 1 \\(static\\), 2 \\(per_token\\) or 3 "
+             "\\(per_token_group_128\\), got 7"),
         ]
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
@@ -466,7 +469,7 @@ class MoeFinalize(unittest.TestCase):
             (lambda: op(team, torch.randn(2, 17, 64, dtype=torch.bfloat16), torch.rand(2, 17),
                         residual, weight, 1e-6), "moe_topk must be in \\[1, 16\\], got 17"),
             (lambda: op(team, rows, weights, residual, weight, 1e-6, quant="static"),
-             "quant 1 \\(static scale\\) needs scale"),
+             "quant fp8 static needs the scale"),
         ]
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
@@ -708,7 +711,7 @@ class QkRope(unittest.TestCase):
                 out[rank][0].double(), rotated.reshape(tokens, q_size), atol=3e-2, rtol=3e-2
             )
         (alone,) = tpfuse.cpu_team(1)
-        with self.assertRaisesRegex(RuntimeError, "positions or cos_sin_cache is missing"):
+        with self.assertRaisesRegex(RuntimeError, "positions is null but rope is set"):
             tpfuse.allreduce_qk_rmsnorm(
                 alone, qkv[0], ones_q, ones_k, q_size, kv_size, q_size, kv_size, 1e-6,
                 rope_style=tpfuse.RopeStyle.NEOX, head_dim=head_dim, rotary_dim=rotary_dim,
@@ -762,6 +765,70 @@ class EnumArguments(unittest.TestCase):
                     with self.assertRaisesRegex(RuntimeError, f"{name} must be .*, got {value}"):
                         call(value)
         team.close()
+
+
+class Declarations(unittest.TestCase):
+    """Each fused op is declared once, in C++ (src/torch/ops.cc): its schema is what graphs and
+    users call (the passes match these), and the Python wrappers and enums are made from it."""
+
+    SCHEMAS = [
+        "tpfuse::allreduce_add_rmsnorm(int team, Tensor input, Tensor? residual, Tensor weight, "
+        "float eps, int algorithm=0, int norm_weight=0) -> (Tensor norm_out, Tensor residual_out)",
+        "tpfuse::allreduce_add_rmsnorm_(int team, Tensor(a!) input, Tensor(b!) residual, "
+        "Tensor weight, float eps, int algorithm=0, int norm_weight=0) -> ()",
+        "tpfuse::allreduce_add_rmsnorm_fp8(int team, Tensor input, Tensor? residual, "
+        "Tensor weight, float eps, int quant, Tensor? scale=None, bool column_major_scales=False, "
+        "int algorithm=0, int norm_weight=0, bool keep_norm=True) -> (Tensor norm_out, "
+        "Tensor residual_out, Tensor quant_out, Tensor scales)",
+        "tpfuse::allreduce_add_rmsnorm_fp8_(int team, Tensor(a!) input, Tensor(b!) residual, "
+        "Tensor weight, float eps, int quant, Tensor? scale=None, bool column_major_scales=False, "
+        "int algorithm=0, int norm_weight=0, bool keep_norm=True) -> (Tensor quant_out, "
+        "Tensor scales)",
+        "tpfuse::allreduce_moe_finalize_add_rmsnorm(int team, Tensor expert_rows, "
+        "Tensor routing_weights, Tensor residual, Tensor weight, float eps, "
+        "Tensor? shared_expert=None, int algorithm=0) -> (Tensor norm_out, Tensor residual_out)",
+        "tpfuse::allreduce_moe_finalize_add_rmsnorm_fp8(int team, Tensor expert_rows, "
+        "Tensor routing_weights, Tensor residual, Tensor weight, float eps, int quant, "
+        "Tensor? scale=None, bool column_major_scales=False, Tensor? shared_expert=None, "
+        "int algorithm=0, bool keep_norm=True) -> (Tensor norm_out, Tensor residual_out, "
+        "Tensor quant_out, Tensor scales)",
+        "tpfuse::allreduce(int team, Tensor input, int algorithm=0) -> Tensor",
+        "tpfuse::allreduce_qk_rmsnorm(int team, Tensor qkv, Tensor q_weight, Tensor k_weight, "
+        "int q_size, int kv_size, int q_global_size, int k_global_size, int kv_replicas, "
+        "float eps, Tensor? positions=None, Tensor? cos_sin_cache=None, int head_dim=0, "
+        "int rotary_dim=0, int rope_style=0, int algorithm=0) -> (Tensor q, Tensor k)",
+    ]
+
+    def test_schemas_are_the_published_ones(self):
+        import json
+        described = json.loads(torch.ops.tpfuse.describe())["ops"]
+        self.assertEqual(len(described), len(self.SCHEMAS))
+        for schema in self.SCHEMAS:
+            name = schema[len("tpfuse::"):schema.index("(")]
+            self.assertIn(name, described)
+            self.assertEqual(str(getattr(torch.ops.tpfuse, name).default._schema), schema)
+
+    def test_python_follows_the_description(self):
+        import inspect
+        import json
+        description = json.loads(torch.ops.tpfuse.describe())
+        enums = description["enums"]
+        self.assertEqual(tpfuse.ALGORITHMS, enums["Algorithm"])
+        for python, cpp in ((tpfuse.Algorithm, "Algorithm"), (tpfuse.NormWeight, "NormWeight"),
+                            (tpfuse.RopeStyle, "RopeStyle")):
+            self.assertEqual({m.name.lower(): int(m) for m in python}, enums[cpp])
+        self.assertEqual({m.name.lower(): int(m) for m in tpfuse.Quant},
+                         {k: v for k, v in enums["QuantMode"].items() if k != "none"})
+        # Each op's wrapper is tpfuse.<op>, but for the MoE ops': tpfuse's MoE wrapper has the
+        # FP8 op's parameters (quant None calls the op without FP8 output).
+        public = {name: name for name in description["ops"]}
+        public["allreduce_moe_finalize_add_rmsnorm_fp8"] = public.pop(
+            "allreduce_moe_finalize_add_rmsnorm")
+        for name, wrapper_name in public.items():
+            wrapper = getattr(tpfuse, wrapper_name)
+            parameters = ["team"] + description["ops"][name]["python"]
+            self.assertEqual(list(inspect.signature(wrapper).parameters), parameters)
+            self.assertIs(wrapper.op, getattr(torch.ops.tpfuse, name).default)
 
 
 class Compile(unittest.TestCase):
@@ -878,6 +945,24 @@ class Compile(unittest.TestCase):
             for out in outputs:
                 if out.numel() != 0:  # not keep_norm=False's [0, hidden], static's no scales
                     self.assertIsInstance(out.shape[0], torch.SymInt, f"{name}: {out.shape}")
+
+    def test_wrappers_compile_into_one_graph(self):
+        # The wrappers (enum names included) trace without a graph break.
+        handle = self.team.handle
+
+        def block(x, residual, weight):
+            norm, residual = tpfuse.allreduce_add_rmsnorm(handle, x, residual, weight, 1e-6,
+                                                          "oneshot", "gamma")
+            q8, scales = tpfuse.allreduce_add_rmsnorm_fp8_(handle, norm.clone(), residual.clone(),
+                                                           weight, 1e-6, "per_token")
+            return norm * 2, residual, q8.float(), scales
+
+        x = torch.randn(4, 128, dtype=torch.bfloat16)
+        residual = torch.randn(4, 128, dtype=torch.bfloat16)
+        weight = torch.ones(128, dtype=torch.bfloat16)
+        compiled = torch.compile(block, fullgraph=True)
+        for got, want in zip(compiled(x, residual, weight), block(x, residual, weight)):
+            self.assertTrue(torch.equal(got, want))
 
     def test_compiled_graph_holds_the_op_and_matches_eager(self):
         handle = self.team.handle

@@ -1,7 +1,10 @@
-// Whether a value of one of the public enums is one of its enumerators: the one source of each
-// enum's range, for the library's argument checks and the torch ops' (a new enumerator goes here).
+// The public enums' enumerators: whether a value is one (is_known: the one source of each enum's
+// range, for the library's argument checks), and each one's name (Enumerators: for messages, the
+// torch ops' argument checks and the Python package's enums, which are made from it). A new
+// enumerator goes into both; a static_assert below says when the two disagree.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -66,5 +69,83 @@ constexpr bool is_known_value(int64_t value) {
   return value >= std::numeric_limits<int>::min() && value <= std::numeric_limits<int>::max() &&
          is_known(Enum(int(value)));
 }
+
+// An enumerator and its name: the Python package's (tpfuse.Algorithm.AUTO, accepted as "auto"),
+// algorithm_name's and norm_weight_name's.
+template <typename Enum>
+struct Enumerator {
+  Enum value;
+  const char* name;
+};
+
+// Enumerators<Enum>::kName (the C++ type's name) and kList, every enumerator of Enum.
+template <typename Enum>
+struct Enumerators;
+
+template <>
+struct Enumerators<Algorithm> {
+  static constexpr const char* kName = "Algorithm";
+  static constexpr Enumerator<Algorithm> kList[] = {{Algorithm::kAuto, "auto"},
+                                                    {Algorithm::kOneShot, "oneshot"},
+                                                    {Algorithm::kTwoShot, "twoshot"},
+                                                    {Algorithm::kNccl, "nccl"}};
+};
+
+template <>
+struct Enumerators<NormWeight> {
+  static constexpr const char* kName = "NormWeight";
+  static constexpr Enumerator<NormWeight> kList[] = {{NormWeight::kGamma, "gamma"},
+                                                     {NormWeight::kOnePlusGamma, "one_plus_gamma"}};
+};
+
+template <>
+struct Enumerators<QuantMode> {
+  static constexpr const char* kName = "QuantMode";
+  static constexpr Enumerator<QuantMode> kList[] = {
+      {QuantMode::kNone, "none"},
+      {QuantMode::kStatic, "static"},
+      {QuantMode::kPerToken, "per_token"},
+      {QuantMode::kPerTokenGroup128, "per_token_group_128"}};
+};
+
+template <>
+struct Enumerators<RopeStyle> {
+  static constexpr const char* kName = "RopeStyle";
+  static constexpr Enumerator<RopeStyle> kList[] = {{RopeStyle::kNone, "none"},
+                                                    {RopeStyle::kNeox, "neox"},
+                                                    {RopeStyle::kInterleaved, "interleaved"}};
+};
+
+// The enumerator's name, or "unknown".
+template <typename Enum>
+constexpr const char* enumerator_name(Enum value) {
+  for (const Enumerator<Enum>& enumerator : Enumerators<Enum>::kList) {
+    if (enumerator.value == value) return enumerator.name;
+  }
+  return "unknown";
+}
+
+// Whether Enumerators<Enum>::kList holds exactly the values is_known accepts, each once (checked
+// over a range wider than any enum here).
+template <typename Enum>
+constexpr bool lists_every_enumerator() {
+  size_t known = 0;
+  for (int value = -16; value < 256; ++value) known += is_known(Enum(value)) ? 1 : 0;
+  size_t listed = 0;
+  for (const Enumerator<Enum>& enumerator : Enumerators<Enum>::kList) {
+    if (!is_known(enumerator.value)) return false;
+    for (const Enumerator<Enum>& other : Enumerators<Enum>::kList) {
+      if (&other != &enumerator && other.value == enumerator.value) return false;
+    }
+    ++listed;
+  }
+  return listed == known;
+}
+
+static_assert(lists_every_enumerator<Algorithm>(), "Enumerators<Algorithm> and is_known disagree");
+static_assert(lists_every_enumerator<NormWeight>(),
+              "Enumerators<NormWeight> and is_known disagree");
+static_assert(lists_every_enumerator<QuantMode>(), "Enumerators<QuantMode> and is_known disagree");
+static_assert(lists_every_enumerator<RopeStyle>(), "Enumerators<RopeStyle> and is_known disagree");
 
 }  // namespace tpfuse::impl
