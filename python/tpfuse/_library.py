@@ -11,6 +11,6 @@ def library_path() -> str:
     if not os.path.exists(here):
         raise ImportError(
             "tpfuse: libtpfuse_torch.so is not installed beside the package; install with "
-            "`pip install --no-build-isolation .` or set TPFUSE_TORCH_LIBRARY to a built one"
+            "`pip install .` or set TPFUSE_TORCH_LIBRARY to a built one"
         )
     return here

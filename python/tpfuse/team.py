@@ -12,6 +12,44 @@ _DEFAULT_PACKET_BYTES = 16 << 20
 _CPU_PACKET_BYTES = 4 << 20
 
 
+# Setup exchanges over the group use tensor collectives: torch's object collectives
+# (broadcast_object_list, all_gather_object) need numpy, which tpfuse does not.
+def _group_device(group) -> torch.device:
+    """Where the group's collectives take tensors: the CPU on a group with gloo, else this
+    process's CUDA device."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)).lower() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _broadcast_bytes(made: Optional[torch.Tensor], group) -> torch.Tensor:
+    """Rank 0's uint8 tensor ``made`` (None on the other ranks) on every rank, on the CPU."""
+    import torch.distributed as dist
+
+    device = _group_device(group)
+    length = torch.tensor([made.numel() if made is not None else 0], device=device)
+    dist.broadcast(length, group=group, group_src=0)
+    if made is not None:
+        data = made.to(device)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, group=group, group_src=0)
+    return data.cpu()
+
+
+def _all_gather(values: torch.Tensor, group) -> List[torch.Tensor]:
+    """Every rank's ``values`` (the same shape and dtype on every rank), in rank order, on the
+    CPU."""
+    import torch.distributed as dist
+
+    mine = values.to(_group_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [t.cpu() for t in gathered]
+
+
 class Team:
     """One rank's handle on a team; ``handle`` is what the ops take."""
 
@@ -70,18 +108,18 @@ class Team:
         rank = dist.get_rank(group)
         if backend == "cpu":
             # Shared memory reaches the processes of one host only.
-            hosts = [None] * world_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            name = bytearray(socket.gethostname().encode()[:255].ljust(256, b"\0"))
+            hosts = _all_gather(torch.frombuffer(name, dtype=torch.uint8), group)
+            hosts = [bytes(host.tolist()).rstrip(b"\0").decode(errors="replace") for host in hosts]
             elsewhere = [r for r, host in enumerate(hosts) if host != hosts[0]]
             if elsewhere:
                 raise ValueError(
                     f"tpfuse.Team.from_group: a CPU team's ranks must share a host; rank 0 is on "
                     f"{hosts[0]!r}, rank(s) {', '.join(map(str, elsewhere))} elsewhere"
                 )
-            team_id = [torch.ops.tpfuse.create_cpu_team_id() if rank == 0 else None]
-            dist.broadcast_object_list(team_id, group=group, group_src=0)
+            made = torch.ops.tpfuse.create_cpu_team_id() if rank == 0 else None
             handle = torch.ops.tpfuse.create_cpu_process_team(
-                team_id[0],
+                _broadcast_bytes(made, group),
                 rank,
                 world_size,
                 _CPU_PACKET_BYTES if packet_bytes is None else packet_bytes,
@@ -109,18 +147,16 @@ class Team:
                 f"bound to cuda:{bound.index}; call torch.cuda.set_device({bound.index}) first"
             )
         # Every rank on its own GPU: two ranks on one device would fail inside NCCL.
-        devices = [None] * world_size
-        dist.all_gather_object(devices, device, group=group)
+        devices = [int(d) for d in _all_gather(torch.tensor([device]), group)]
         for other, other_device in enumerate(devices):
             if other != rank and other_device == device:
                 raise ValueError(
                     f"tpfuse.Team.from_group: ranks {min(rank, other)} and {max(rank, other)} "
                     f"both use cuda:{device}; call torch.cuda.set_device(<this rank's GPU>) first"
                 )
-        unique_id = [torch.ops.tpfuse.create_unique_id() if rank == 0 else None]
-        dist.broadcast_object_list(unique_id, group=group, group_src=0)
+        made = torch.ops.tpfuse.create_unique_id() if rank == 0 else None
         handle = torch.ops.tpfuse.create_nccl_team(
-            unique_id[0],
+            _broadcast_bytes(made, group),
             rank,
             world_size,
             device,
