@@ -31,8 +31,8 @@ struct SelectionStep {
 // A rank's share of its device's multiprocessors: the device's, divided among the team's ranks
 // on that device. A collective's blocks poll for packets that the peers' grids send, so every
 // rank's grid must be resident at once; ranks that share a device and each sized their grid to
-// the whole device could wait on a peer's grid that cannot start (4 ranks on one H100, two-shot,
-// 30 tokens x 16384: a timeout on the first call).
+// the whole device could wait on a peer's grid that cannot start (the suspected cause of a
+// timeout with 4 ranks on one H100, two-shot, 30 tokens x 16384; CHANGELOG, Known issue).
 inline int share_of_multiprocessors(int device_multiprocessors, int ranks_on_device) {
   return ranks_on_device > 1 ? std::max(1, device_multiprocessors / ranks_on_device)
                              : device_multiprocessors;
