@@ -388,6 +388,18 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
     const int64_t hidden = shape.first;
     for (const int64_t tokens : shape.second) {
       const int64_t count = tokens * hidden;
+#if TPFUSE_BENCH_NCCL
+      // The unfused model's step: NCCL's all-reduce of `input` into norm_out (out of place, which
+      // also keeps the inputs from growing replay after replay), then the local fused add +
+      // RMSNorm kernel in place on it.
+      auto nccl_then_local = [&](const DeviceBufferSet& set, const void* input) {
+        TPF_CHECK_NCCL(ncclAllReduce(input, set.norm_out, size_t(count), impl::nccl_type(dtype),
+                                     ncclSum, gpu.comm(), stream));
+        AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
+        args.input = set.norm_out;
+        add_rmsnorm(Backend::kCuda, args, stream);
+      };
+#endif
       std::string progress;
       auto note = [&](const char* label, double us) {
         char text[64];
@@ -453,11 +465,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
 #if TPFUSE_BENCH_NCCL
         if (plan.nccl_baselines) {
           us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-            TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
-                                         impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
-            AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-            args.input = set.norm_out;
-            add_rmsnorm(Backend::kCuda, args, stream);
+            nccl_then_local(set, set.input);
             quantize_fp8_device(set.norm_out, tokens, hidden, dtype, mode, gpu.static_scale(),
                                 set.quant_out, set.scales, stream);
           });
@@ -497,11 +505,7 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
           us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
             moe_combine_device(set.moe_rows, set.moe_weights, kBenchMoeTopK, tokens, hidden, dtype,
                                set.moe_combined, stream);
-            TPF_CHECK_NCCL(ncclAllReduce(set.moe_combined, set.norm_out, size_t(count),
-                                         impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
-            AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-            args.input = set.norm_out;
-            add_rmsnorm(Backend::kCuda, args, stream);
+            nccl_then_local(set, set.moe_combined);
           });
           add(moe_op, "moe_combine+nccl_ar+local_add_rmsnorm", hidden, tokens, world_size, us,
               false);
@@ -511,16 +515,9 @@ void run_rank(GpuRank& gpu, Barrier& barrier, const GpuPlan& plan, std::vector<R
 
 #if TPFUSE_BENCH_NCCL
       if (plan.nccl_baselines) {
-        // The honest baseline: NCCL all-reduce, then the local fused add + RMSNorm kernel, as an
-        // unfused model runs it (out-of-place all-reduce, the norm in place on its output). Being
-        // out of place also keeps the inputs from growing replay after replay.
-        us = gpu.measure(barrier, plan, true, [&](const DeviceBufferSet& set) {
-          TPF_CHECK_NCCL(ncclAllReduce(set.input, set.norm_out, size_t(count),
-                                       impl::nccl_type(dtype), ncclSum, gpu.comm(), stream));
-          AddRmsNormArgs args = fused_args(set, gpu.gamma(), hidden, tokens, dtype);
-          args.input = set.norm_out;
-          add_rmsnorm(Backend::kCuda, args, stream);
-        });
+        // The honest baseline: the unfused model's step (nccl_then_local).
+        us = gpu.measure(barrier, plan, true,
+                         [&](const DeviceBufferSet& set) { nccl_then_local(set, set.input); });
         note("nccl_ar+local", add("allreduce_add_rmsnorm", "nccl_ar+local_add_rmsnorm", hidden,
                                   tokens, world_size, us, false));
       }
