@@ -175,7 +175,9 @@ const char* to_string(BuildOrigin origin) {
   return "?";
 }
 
-std::vector<std::string> default_build_options() { return {"-ffp-contract=off"}; }
+std::vector<std::string> default_build_options() {
+  return {"-ffp-contract=off"};
+}
 
 bool can_compile_sycl(const ::sycl::device& device) {
   ::sycl::device handle = device;  // a handle: the query is not const
@@ -321,9 +323,9 @@ Build KernelCompiler::build(const ::sycl::context& context, const ::sycl::device
   try {
     auto source_bundle = syclex::create_kernel_bundle_from_source(
         context, syclex::source_language::sycl, source.text, syclex::properties{includes});
-    bundle = syclex::build(source_bundle, {device},
-                           syclex::properties{syclex::build_options{all_options(source)},
-                                              syclex::save_log{&log}});
+    bundle = syclex::build(
+        source_bundle, {device},
+        syclex::properties{syclex::build_options{all_options(source)}, syclex::save_log{&log}});
   } catch (const ::sycl::exception& e) {
     // errc::build: the what() string is the compiler's whole log.
     TPF_FAIL("SYCL kernel compiler: '" << source.label << "' did not compile for "

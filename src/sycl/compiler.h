@@ -57,10 +57,10 @@ const char* to_string(BuildOrigin origin);
 struct Build {
   sycl::kernel_bundle<sycl::bundle_state::executable> bundle;
   BuildOrigin origin;
-  double seconds;         // what getting it took: compiling, loading from disk, or a look-up
-  std::string log;        // the compiler's log (its warnings), when compiled here
-  std::string disk_note;  // why the disk cache was not read or written, where it was not
-  std::string cache_file; // the disk cache's file for this key, if there is a disk cache
+  double seconds;          // what getting it took: compiling, loading from disk, or a look-up
+  std::string log;         // the compiler's log (its warnings), when compiled here
+  std::string disk_note;   // why the disk cache was not read or written, where it was not
+  std::string cache_file;  // the disk cache's file for this key, if there is a disk cache
 
   // The extern "C" kernel `name`; a tpfuse::Error naming the source if there is none.
   sycl::kernel kernel(const std::string& name) const;

@@ -98,9 +98,10 @@ std::optional<sycl::queue>& cpu_queue(std::string& why) {
     if (!found && reason.empty()) reason = "no SYCL CPU device";
     return found;
   }());
-  why = reason + " (Intel's OpenCL CPU device needs OCL_ICD_FILENAMES=<env>/lib/libintelocl.so "
-                 "and LD_LIBRARY_PATH=<env>/lib: scripts/fetch-sycl.sh prints them; ctest sets "
-                 "them)";
+  why = reason +
+        " (Intel's OpenCL CPU device needs OCL_ICD_FILENAMES=<env>/lib/libintelocl.so "
+        "and LD_LIBRARY_PATH=<env>/lib: scripts/fetch-sycl.sh prints them; ctest sets "
+        "them)";
   return *queue;
 }
 
@@ -109,13 +110,13 @@ bool device_required() {
   return value != nullptr && std::string(value) == "1";
 }
 
-#define TPF_REQUIRE_CPU_DEVICE(queue_variable)                     \
-  std::string tpf_why_;                                            \
-  auto& tpf_queue_ = cpu_queue(tpf_why_);                          \
-  if (!tpf_queue_) {                                               \
-    if (device_required()) FAIL() << tpf_why_;                     \
-    GTEST_SKIP() << tpf_why_;                                      \
-  }                                                                \
+#define TPF_REQUIRE_CPU_DEVICE(queue_variable) \
+  std::string tpf_why_;                        \
+  auto& tpf_queue_ = cpu_queue(tpf_why_);      \
+  if (!tpf_queue_) {                           \
+    if (device_required()) FAIL() << tpf_why_; \
+    GTEST_SKIP() << tpf_why_;                  \
+  }                                            \
   sycl::queue& queue_variable = *tpf_queue_
 
 // USM shared memory of n T, freed at the end of the scope.
@@ -166,14 +167,15 @@ TEST(SyclCompiler, CompileErrorIsATpfuseErrorWithTheLog) {
   TPF_REQUIRE_CPU_DEVICE(queue);
   TemporaryDirectory cache;
   sb::KernelCompiler compiler(sb::CompilerSettings{cache.path});
-  const sb::KernelSource broken{"a broken kernel",
-                                "#include <sycl/sycl.hpp>\n"
-                                "#include <tpfuse/impl/numeric.h>\n"
-                                "extern \"C\" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(("
-                                "sycl::ext::oneapi::experimental::nd_range_kernel<1>))\n"
-                                "void broken(float* p) { p[0] = tpfuse::impl::no_such_function(); }\n",
-                                {},
-                                {}};
+  const sb::KernelSource broken{
+      "a broken kernel",
+      "#include <sycl/sycl.hpp>\n"
+      "#include <tpfuse/impl/numeric.h>\n"
+      "extern \"C\" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(("
+      "sycl::ext::oneapi::experimental::nd_range_kernel<1>))\n"
+      "void broken(float* p) { p[0] = tpfuse::impl::no_such_function(); }\n",
+      {},
+      {}};
   try {
     compiler.build(queue, broken);
     FAIL() << "a kernel that calls an undeclared function compiled";
@@ -199,7 +201,9 @@ TEST(SyclCompiler, EveryEmbeddedHeaderCompilesAloneAsDeviceCode) {
   TPF_REQUIRE_CPU_DEVICE(queue);
   for (const sb::EmbeddedText& header : sb::library_headers()) {
     const sb::KernelSource alone{std::string("header ") + header.name,
-                                 std::string("#include <") + header.name + ">\n", {}, {}};
+                                 std::string("#include <") + header.name + ">\n",
+                                 {},
+                                 {}};
     const sb::Build build = sb::kernel_compiler().build(queue, alone);
     std::cout << "[ device pass ] " << header.name << ": " << sb::to_string(build.origin) << " in "
               << build.seconds << " s\n";
@@ -208,7 +212,8 @@ TEST(SyclCompiler, EveryEmbeddedHeaderCompilesAloneAsDeviceCode) {
   for (const sb::EmbeddedText& header : sb::library_headers()) {
     all += std::string("#include <") + header.name + ">\n";
   }
-  EXPECT_NO_THROW(sb::kernel_compiler().build(queue, sb::KernelSource{"every header", all, {}, {}}));
+  EXPECT_NO_THROW(
+      sb::kernel_compiler().build(queue, sb::KernelSource{"every header", all, {}, {}}));
 }
 
 TEST(SyclCompiler, MemoryCacheDiskCacheAndKeys) {
@@ -240,18 +245,19 @@ TEST(SyclCompiler, MemoryCacheDiskCacheAndKeys) {
     const sb::Build second = compiler.build(queue, other);
     EXPECT_EQ(second.origin, sb::BuildOrigin::kCompiled);
     EXPECT_NE(second.cache_file, first.cache_file);
-    EXPECT_NE(sb::cache_key(queue.get_device(), source),
-              sb::cache_key(queue.get_device(), other));
+    EXPECT_NE(sb::cache_key(queue.get_device(), source), sb::cache_key(queue.get_device(), other));
 
     // The build runs.
     Shared<float> in(queue, 16);
     Shared<uint16_t> out(queue, 16);
     for (int i = 0; i < 16; ++i) in[i] = 1.0f + float(i) / 7.0f;
     sycl::kernel kernel = second.kernel("to_bf16");
-    queue.submit([&](sycl::handler& h) {
-      h.set_args(in.data, out.data);
-      h.parallel_for(sycl::nd_range<1>{16, 16}, kernel);
-    }).wait();
+    queue
+        .submit([&](sycl::handler& h) {
+          h.set_args(in.data, out.data);
+          h.parallel_for(sycl::nd_range<1>{16, 16}, kernel);
+        })
+        .wait();
     for (int i = 0; i < 16; ++i) EXPECT_EQ(out[i], from_float<BFloat16>(in[i] * 4.0f).bits) << i;
     EXPECT_EQ(compiler.stats().compiles, 2u);
     EXPECT_EQ(compiler.stats().memory_hits, 1u);
@@ -352,7 +358,9 @@ TEST(SyclCompiler, NewProcessLoadsFromTheDiskCache) {
 // ---------------------------------------------------------------------------------------------
 // tpfuse's headers as SYCL device code, against the host.
 
-bool is_nan_bits(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+bool is_nan_bits(uint32_t bits) {
+  return (bits & 0x7fffffffu) > 0x7f800000u;
+}
 bool is_nan16(uint32_t bits, bool bf16) {
   return bf16 ? (bits & 0x7fffu) > 0x7f80u : (bits & 0x7fffu) > 0x7c00u;
 }
@@ -391,7 +399,8 @@ std::vector<float> conversion_inputs() {
                                 0x43e80000u, 0x3c800000u, 0x3a800000u, 0x33000000u, 0x38800000u};
   for (uint64_t u = 0; u <= 0xffffffffu; u += 4099) bits.push_back(uint32_t(u));
   for (uint32_t b = 0; b < 0x10000u; ++b) {
-    for (uint32_t low : {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) bits.push_back(b << 16 | low);
+    for (uint32_t low : {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu})
+      bits.push_back(b << 16 | low);
   }
   std::vector<float> values(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) values[i] = bits_float(bits[i]);
@@ -407,26 +416,32 @@ TEST(SyclDeviceCode, NumericConversionsGiveTheHostsBits) {
   Shared<uint32_t> out(queue, values.size() * kNumericResults);
   std::memcpy(in.data, values.data(), values.size() * sizeof(float));
   sycl::kernel kernel = build.kernel("tpf_smoke_numeric");
-  queue.submit([&](sycl::handler& h) {
-    h.set_args(static_cast<const float*>(in.data), out.data, count);
-    h.parallel_for(sycl::nd_range<1>{4096, 64}, kernel);
-  }).wait();
-  const char* names[kNumericResults] = {"bf16",         "fp16",         "e4m3",           "bf16->fp32",
-                                        "fp16->fp32",   "e4m3->fp32",   "reciprocal_sqrt"};
+  queue
+      .submit([&](sycl::handler& h) {
+        h.set_args(static_cast<const float*>(in.data), out.data, count);
+        h.parallel_for(sycl::nd_range<1>{4096, 64}, kernel);
+      })
+      .wait();
+  const char* names[kNumericResults] = {"bf16",       "fp16",       "e4m3",           "bf16->fp32",
+                                        "fp16->fp32", "e4m3->fp32", "reciprocal_sqrt"};
   int64_t mismatches[kNumericResults] = {};
   for (int64_t i = 0; i < count; ++i) {
     const float x = values[size_t(i)];
     const BFloat16 bf16 = from_float<BFloat16>(x);
     const Float16 fp16 = from_float<Float16>(x);
     const Fp8E4M3 fp8 = fp8_e4m3_from_float(x);
-    const uint32_t host[kNumericResults] = {
-        bf16.bits, fp16.bits, fp8.bits, float_bits(to_float(bf16)), float_bits(to_float(fp16)),
-        float_bits(to_float(fp8)), float_bits(reciprocal_sqrt(x))};
+    const uint32_t host[kNumericResults] = {bf16.bits,
+                                            fp16.bits,
+                                            fp8.bits,
+                                            float_bits(to_float(bf16)),
+                                            float_bits(to_float(fp16)),
+                                            float_bits(to_float(fp8)),
+                                            float_bits(reciprocal_sqrt(x))};
     for (int r = 0; r < kNumericResults; ++r) {
       const uint32_t device = out[size_t(i * kNumericResults + r)];
       // Conversions are integer code: every bit. The square root's NaNs may differ in payload.
-      const bool same = device == host[r] ||
-                        (r == 6 && is_nan_bits(device) && is_nan_bits(host[r]));
+      const bool same =
+          device == host[r] || (r == 6 && is_nan_bits(device) && is_nan_bits(host[r]));
       if (!same && mismatches[r]++ < 3) {
         ADD_FAILURE() << names[r] << " of " << std::hex << float_bits(x) << ": device " << device
                       << ", host " << host[r];
@@ -440,12 +455,12 @@ TEST(SyclDeviceCode, NumericConversionsGiveTheHostsBits) {
 
 // 16-byte vectors: random words, with the words the protocol must handle in every lane position
 // (the sentinel, a 16-bit -0 in either half, NaN, Inf, denormals), and whole vectors of them.
-constexpr uint32_t kSpecialWords[] = {kSentinel,   0x00008000u, 0x80008000u, 0x00000000u, 0x7fc07fc0u,
-                              0x7f807f80u, 0xff80ff80u, 0x00010001u, 0x7f7f7f7fu, 0x7fc00000u,
-                              0x00000001u, 0x3f803f80u, 0xbf80bf80u, 0x7c007c00u,
-                              // a 16-bit -0 beside a nonzero: where a rank sum of the sentinel
-                              // and its rewrite differ in a zero's sign and the output keeps it
-                              0x80003f80u, 0x3f808000u};
+constexpr uint32_t kSpecialWords[] = {
+    kSentinel, 0x00008000u, 0x80008000u, 0x00000000u, 0x7fc07fc0u, 0x7f807f80u, 0xff80ff80u,
+    0x00010001u, 0x7f7f7f7fu, 0x7fc00000u, 0x00000001u, 0x3f803f80u, 0xbf80bf80u, 0x7c007c00u,
+    // a 16-bit -0 beside a nonzero: where a rank sum of the sentinel
+    // and its rewrite differ in a zero's sign and the output keeps it
+    0x80003f80u, 0x3f808000u};
 constexpr size_t kSpecialCount = std::size(kSpecialWords);
 
 std::vector<Vec16> adversarial_vectors(size_t count, uint32_t seed) {
@@ -474,10 +489,12 @@ TEST(SyclDeviceCode, VectorsSessionAndEpilogueGiveTheHostsBits) {
   Shared<uint32_t> arrived(queue, vectors.size());
   std::memcpy(in.data, vectors.data(), vectors.size() * sizeof(Vec16));
   sycl::kernel kernel = build.kernel("tpf_smoke_vectors");
-  queue.submit([&](sycl::handler& h) {
-    h.set_args(static_cast<const Vec16*>(in.data), out.data, arrived.data, count);
-    h.parallel_for(sycl::nd_range<1>{2048, 64}, kernel);
-  }).wait();
+  queue
+      .submit([&](sycl::handler& h) {
+        h.set_args(static_cast<const Vec16*>(in.data), out.data, arrived.data, count);
+        h.parallel_for(sycl::nd_range<1>{2048, 64}, kernel);
+      })
+      .wait();
   int64_t failures = 0;
   int64_t sentinel_vectors = 0;
   for (int64_t i = 0; i < count && failures < 10; ++i) {
@@ -498,9 +515,9 @@ TEST(SyclDeviceCode, VectorsSessionAndEpilogueGiveTheHostsBits) {
     accumulate<Float16>(acc16, rewrite_sentinel(next));
     host[3] = round_output<Float16>(acc16);
     const uint32_t extra[2] = {v.word[3], next.word[0]};
-    host[4] = sequenced_signature(make_signature(v.word[0], v.word[1], v.word[2], extra, 2),
-                                  next.word[1])
-                  .header;
+    host[4] =
+        sequenced_signature(make_signature(v.word[0], v.word[1], v.word[2], extra, 2), next.word[1])
+            .header;
     float acc32[4];
     accumulate_first<float>(acc32, rewrite_sentinel(v));
     accumulate<float>(acc32, rewrite_sentinel(next));
@@ -515,9 +532,8 @@ TEST(SyclDeviceCode, VectorsSessionAndEpilogueGiveTheHostsBits) {
                                      : same_lanes(device[r], host[r], kinds[r]);
       if (!same) {
         ++failures;
-        ADD_FAILURE() << "vector " << i << " (" << hex(v) << ", next " << hex(next)
-                      << ") result " << r << ": device " << hex(device[r]) << ", host "
-                      << hex(host[r]);
+        ADD_FAILURE() << "vector " << i << " (" << hex(v) << ", next " << hex(next) << ") result "
+                      << r << ": device " << hex(device[r]) << ", host " << hex(host[r]);
       }
     }
     EXPECT_EQ(arrived[size_t(i)], has_arrived(v) ? 1u : 0u) << "vector " << i << " " << hex(v);
@@ -715,14 +731,19 @@ void check_two_rank_exchange(bool two_queues) {
     const auto* region = reinterpret_cast<const Vec16*>(
         team.workspace[r] + packet_offset(cleared, peer, ToyTeam::kWorld, team.packet_bytes));
     for (int64_t v = 0; v < vectors; ++v) {
-      ASSERT_FALSE(has_arrived(region[v])) << "rank " << r << " slot " << cleared << " vector " << v;
+      ASSERT_FALSE(has_arrived(region[v]))
+          << "rank " << r << " slot " << cleared << " vector " << v;
     }
   }
 }
 
-TEST(SyclExchange, TwoRanksOneLaunchGiveTheHostsSums) { check_two_rank_exchange(false); }
+TEST(SyclExchange, TwoRanksOneLaunchGiveTheHostsSums) {
+  check_two_rank_exchange(false);
+}
 
-TEST(SyclExchange, TwoRanksTwoQueuesGiveTheHostsSums) { check_two_rank_exchange(true); }
+TEST(SyclExchange, TwoRanksTwoQueuesGiveTheHostsSums) {
+  check_two_rank_exchange(true);
+}
 
 // Rank 0 alone: its poll runs out of polls, it records a timeout naming rank 1 and marks the
 // team failed in both workspaces, its outputs are NaN, and the kernel ends.

@@ -74,7 +74,9 @@ inline bool poll_vector(const Vec16* address, uint64_t max_polls, Vec16& out) {
   return true;
 }
 
-inline sycl::nd_item<1> this_item() { return sycl::ext::oneapi::this_work_item::get_nd_item<1>(); }
+inline sycl::nd_item<1> this_item() {
+  return sycl::ext::oneapi::this_work_item::get_nd_item<1>();
+}
 
 // A failure of this rank's (kTimeout): the first one claims the control block's error word, fills
 // the error record (host memory the host reads) and announces it with its mark in every rank's
