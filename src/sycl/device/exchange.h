@@ -63,12 +63,16 @@ inline Vec16 load_vector(const Vec16* address) {
   return v;
 }
 
-// Polls a vector until every word holds data, at most `max_polls` looks (0: no bound). False if
-// the bound ran out first; `out` then holds the last look.
-inline bool poll_vector(const Vec16* address, uint64_t max_polls, Vec16& out) {
+// Polls a vector until every word holds data, at most `max_polls` looks (0: no bound), giving up
+// early once `failed` (the rank's control-block error word) is set: after one work-item's poll has
+// run out, its group's others do not each wait out the bound again. False if it gave up; `out`
+// then holds the last look.
+inline bool poll_vector(const Vec16* address, uint64_t max_polls, const uint32_t* failed,
+                        Vec16& out) {
   out = load_vector(address);
   for (uint64_t polls = 1; !has_arrived(out); ++polls) {
     if (max_polls != 0 && polls >= max_polls) return false;
+    if (polls % 1024 == 0 && load_acquire(failed) != 0) return false;
     out = load_vector(address);
   }
   return true;
