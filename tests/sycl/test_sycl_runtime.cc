@@ -50,7 +50,7 @@ namespace {
 namespace sb = tpfuse::sycl_backend;
 using namespace tpfuse::impl;
 
-constexpr int kNumericResults = 7;  // as in smoke_kernels.sycl
+constexpr int kNumericResults = 9;  // as in smoke_kernels.sycl
 constexpr int kVectorResults = 6;
 
 sb::KernelSource smoke_source() {
@@ -422,8 +422,9 @@ TEST(SyclDeviceCode, NumericConversionsGiveTheHostsBits) {
         h.parallel_for(sycl::nd_range<1>{4096, 64}, kernel);
       })
       .wait();
-  const char* names[kNumericResults] = {"bf16",       "fp16",       "e4m3",           "bf16->fp32",
-                                        "fp16->fp32", "e4m3->fp32", "reciprocal_sqrt"};
+  const char* names[kNumericResults] = {
+      "bf16",      "fp16",    "e4m3", "bf16->fp32", "fp16->fp32", "e4m3->fp32", "reciprocal_sqrt",
+      "rms_scale", "division"};
   int64_t mismatches[kNumericResults] = {};
   for (int64_t i = 0; i < count; ++i) {
     const float x = values[size_t(i)];
@@ -436,12 +437,14 @@ TEST(SyclDeviceCode, NumericConversionsGiveTheHostsBits) {
                                             float_bits(to_float(bf16)),
                                             float_bits(to_float(fp16)),
                                             float_bits(to_float(fp8)),
-                                            float_bits(reciprocal_sqrt(x))};
+                                            float_bits(reciprocal_sqrt(x)),
+                                            float_bits(rms_scale(x, 3072, 1e-6f)),
+                                            float_bits(x / values[size_t((i * 7 + 1) % count)])};
     for (int r = 0; r < kNumericResults; ++r) {
       const uint32_t device = out[size_t(i * kNumericResults + r)];
-      // Conversions are integer code: every bit. The square root's NaNs may differ in payload.
+      // Conversions are integer code: every bit. Arithmetic: every bit but NaN payloads.
       const bool same =
-          device == host[r] || (r == 6 && is_nan_bits(device) && is_nan_bits(host[r]));
+          device == host[r] || (r >= 6 && is_nan_bits(device) && is_nan_bits(host[r]));
       if (!same && mismatches[r]++ < 3) {
         ADD_FAILURE() << names[r] << " of " << std::hex << float_bits(x) << ": device " << device
                       << ", host " << host[r];
