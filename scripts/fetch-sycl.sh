@@ -45,5 +45,9 @@ fetch-sycl: ready ($(du -sh "${env_dir}" | cut -f1) in ${env_dir})
 To run SYCL programs on Intel's OpenCL CPU device:
   export OCL_ICD_FILENAMES=${env_dir}/lib/libintelocl.so
   export LD_LIBRARY_PATH=${env_dir}/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
-To build tpfuse's SYCL parts: cmake -DSYCL_RUNTIME_ROOT=${env_dir} ... (found without it at .deps/sycl-venv)
 MSG
+if [ "${env_dir}" = "$(pwd)/.deps/sycl-venv" ]; then
+  echo "CMake (TPFUSE_SYCL=AUTO) finds it there without help."
+else
+  echo "To build tpfuse's SYCL parts: cmake -DSYCL_RUNTIME_ROOT=${env_dir} ..."
+fi
