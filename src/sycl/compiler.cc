@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -76,7 +77,7 @@ std::string read_file(const std::filesystem::path& path, bool& ok) {
 }
 
 bool read_u64(const std::string& data, size_t& at, uint64_t& value) {
-  if (data.size() - at < 8 || at > data.size()) return false;
+  if (at > data.size() || data.size() - at < 8) return false;
   std::memcpy(&value, data.data() + at, 8);
   at += 8;
   return true;
@@ -306,28 +307,29 @@ Build KernelCompiler::build(const ::sycl::context& context, const ::sycl::device
     disk_note = "no disk cache (TPFUSE_SYCL_CACHE_DIR is off, and no HOME)";
   }
 
-  syclex::include_files includes;
-  for (const auto& [name, text] : source.headers) {
-    includes.add(std::string(kHeaderRoot) + "/" + name, text);
-  }
-  for (const EmbeddedText& header : library_headers()) {
-    bool shadowed = false;
-    for (const auto& own : source.headers) shadowed = shadowed || own.first == header.name;
-    if (!shadowed) {
-      includes.add(std::string(kHeaderRoot) + "/" + header.name,
-                   std::string(header.text, header.size));
-    }
-  }
   std::string log;
   std::optional<::sycl::kernel_bundle<::sycl::bundle_state::executable>> bundle;
   try {
+    syclex::include_files includes;
+    for (const auto& [name, text] : source.headers) {
+      includes.add(std::string(kHeaderRoot) + "/" + name, text);
+    }
+    for (const EmbeddedText& header : library_headers()) {
+      bool shadowed = false;
+      for (const auto& own : source.headers) shadowed = shadowed || own.first == header.name;
+      if (!shadowed) {
+        includes.add(std::string(kHeaderRoot) + "/" + header.name,
+                     std::string(header.text, header.size));
+      }
+    }
     auto source_bundle = syclex::create_kernel_bundle_from_source(
         context, syclex::source_language::sycl, source.text, syclex::properties{includes});
     bundle = syclex::build(
         source_bundle, {device},
         syclex::properties{syclex::build_options{all_options(source)}, syclex::save_log{&log}});
   } catch (const ::sycl::exception& e) {
-    // errc::build: the what() string is the compiler's whole log.
+    // errc::build: the what() string is the compiler's whole log. (errc::invalid: a header named
+    // twice in the source's own headers.)
     TPF_FAIL("SYCL kernel compiler: '" << source.label << "' did not compile for "
                                        << describe_device(device) << " (" << e.code().message()
                                        << "):\n"

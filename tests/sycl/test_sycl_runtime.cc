@@ -185,6 +185,17 @@ TEST(SyclCompiler, CompileErrorIsATpfuseErrorWithTheLog) {
     EXPECT_NE(message.find("no_such_function"), std::string::npos) << message;
     EXPECT_NE(message.find("src/sycl/compiler.cc"), std::string::npos) << message;
   }
+  // A source's own header of a library header's name is the one it includes.
+  const sb::KernelSource shadowing{"a shadowing header",
+                                   "#include <tpfuse/impl/numeric.h>\n",
+                                   {{"tpfuse/impl/numeric.h", "#error the source's own header\n"}},
+                                   {}};
+  try {
+    compiler.build(queue, shadowing);
+    FAIL() << "the library's numeric.h was included instead of the source's own";
+  } catch (const tpfuse::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the source's own header"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(compiler.stats().compiles, 0u);
 }
 
