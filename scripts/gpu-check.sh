@@ -229,22 +229,35 @@ if [[ " $STEPS " == *" ab "* ]]; then
   elif [ -z "${ab_build_failed:-}" ]; then
     build_ab_base || status=1
   fi
-  mkdir -p "$OUT/ab"
-  # The order alternates by round (base new, new base, ...): the side run second in every round
-  # measured ~0.5% slower on unchanged kernels
-  # (cdd3d3d:bench/studies/h200-20261204-d5e887c-slot-clear, docs/notebook.md).
-  for round in $(seq 1 ${AB_ROUNDS:-2}); do
-    order="base new"
-    [ $((round % 2)) -eq 0 ] && order="new base"
-    for side in $order; do
-      binary=$BUILD/bench/tpfuse-bench
-      [ $side = base ] && binary=build/ab-base/bench/tpfuse-bench
-      TPFUSE_BENCH_COMMIT=$side "$binary" --out "$OUT/ab/$side-$round.json" ${AB_ARGS:-} \
-        >"$OUT/ab/$side-$round.log" 2>&1 || status=1
+  # AB_SETS: several configurations, ';'-separated, each an A/B of its own with AB_ARGS (e.g.
+  # AB_SETS="--world 1;--shared-device --world 2;--shared-device --world 4"): ab-compare-N.txt.
+  IFS=';' read -r -a ab_sets <<<"${AB_SETS:-}"
+  [ ${#ab_sets[@]} -eq 0 ] && ab_sets=("")
+  for set_index in "${!ab_sets[@]}"; do
+    ab_dir="$OUT/ab/set$set_index"
+    mkdir -p "$ab_dir"
+    echo "A/B set $set_index: ${AB_ARGS:-} ${ab_sets[$set_index]}" | tee "$ab_dir/args.txt"
+    # The order alternates by round (base new, new base, ...): the side run second in every round
+    # measured ~0.5% slower on unchanged kernels
+    # (cdd3d3d:bench/studies/h200-20261204-d5e887c-slot-clear, docs/notebook.md).
+    for round in $(seq 1 ${AB_ROUNDS:-2}); do
+      order="base new"
+      [ $((round % 2)) -eq 0 ] && order="new base"
+      for side in $order; do
+        binary=$BUILD/bench/tpfuse-bench
+        [ $side = base ] && binary=build/ab-base/bench/tpfuse-bench
+        # shellcheck disable=SC2086  # the arguments are lists
+        TPFUSE_BENCH_COMMIT=$side "$binary" --out "$ab_dir/$side-$round.json" ${AB_ARGS:-} \
+          ${ab_sets[$set_index]} >"$ab_dir/$side-$round.log" 2>&1 || status=1
+      done
     done
+    compare="$OUT/ab-compare.txt"
+    [ ${#ab_sets[@]} -gt 1 ] && compare="$OUT/ab-compare-$set_index.txt"
+    {
+      cat "$ab_dir/args.txt"
+      python3 scripts/ab_compare.py --base "$ab_dir"/base-*.json --new "$ab_dir"/new-*.json
+    } | tee "$compare"
   done
-  python3 scripts/ab_compare.py --base "$OUT"/ab/base-*.json --new "$OUT"/ab/new-*.json \
-    | tee "$OUT/ab-compare.txt"
   (cd "$OUT" && tar czf ab.tgz --remove-files ab)
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
