@@ -132,12 +132,12 @@ __global__ void __launch_bounds__(kCheckThreads)
 
 void cuda_nccl_headers(const TeamState& team, const CallSignature& signature, cudaStream_t stream) {
   launch(nccl_header_kernel, 1, 32, 0, stream, team.exchange, signature,
-         reinterpret_cast<Vec16*>(team.nccl_headers));
+         reinterpret_cast<Vec16*>(cuda_state(team).nccl_headers));
 }
 
 void cuda_nccl_check(const TeamState& team, const CallOutputs& outputs, cudaStream_t stream) {
   launch(nccl_check_kernel, kCheckBlocks, kCheckThreads, 0, stream, team.exchange,
-         reinterpret_cast<const Vec16*>(team.nccl_headers), outputs);
+         reinterpret_cast<const Vec16*>(cuda_state(team).nccl_headers), outputs);
 }
 
 void cuda_preload_nccl_header_kernels() {

@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "tpfuse/cuda.h"
 #include "tpfuse/impl/enums.h"
 #include "tpfuse/tpfuse.h"
 #include "tpfuse/version.h"
