@@ -6,9 +6,8 @@
 // backend: empty), and what a backend keeps per rank is its own TeamState (team_state.h).
 #pragma once
 
-#include <cstdint>
+#include <cstddef>
 #include <initializer_list>
-#include <vector>
 
 #include "core/calls.h"
 #include "core/team_state.h"
