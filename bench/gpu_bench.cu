@@ -39,11 +39,12 @@
 #include <vector>
 
 #include "bench.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #if TPFUSE_BENCH_NCCL
 #include "cuda/nccl_types.h"
 #endif
 #include "gpu_kernels.h"
+#include "tpfuse/cuda.h"
 
 extern char** environ;
 

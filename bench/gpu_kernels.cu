@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "bench.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #include "gpu_kernels.h"
 #include "random_values.h"
 #include "tpfuse/impl/dispatch.h"

@@ -1,7 +1,8 @@
 // tpfuse: fused all-reduce + epilogue kernels for tensor-parallel inference.
 //
-// The whole public contract is in this header. It has no dependency on torch or on the CUDA
-// headers: tensors are raw pointers with a dtype and sizes, work goes on a cudaStream_t.
+// The whole public contract is in this header. It has no dependency on torch, CUDA or NCCL:
+// tensors are raw pointers with a dtype and sizes, and work goes on the backend's stream, passed
+// as a Stream (tpfuse/cuda.h adds the forms that take CUDA's stream and NCCL's communicator).
 //
 //   Team        the ranks that reduce together and their symmetric workspace (one handle per rank).
 //   allreduce_add_rmsnorm   residual_out = sum_r(input_r) + residual;
@@ -37,14 +38,19 @@
 
 #include "tpfuse/limits.h"
 
-// Same declarations as the CUDA runtime's and NCCL's, so this header compiles without them.
-typedef struct CUstream_st* cudaStream_t;
-typedef struct ncclComm* ncclComm_t;
-
 namespace tpfuse {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// What a team's calls run on. The values are fixed (the torch ops pass them as integers); a
+// backend a build lacks is an error naming it (cuda_available()).
 enum class Backend : int { kCpu = 0, kCuda = 1 };
+
+// The backend's stream (or queue) a call's work goes on, as an untyped handle: the CUDA stream
+// for the CUDA backend (null: the default stream; tpfuse/cuda.h has the entry points that take
+// CUDA's stream type), and empty for the CPU backend, whose calls run on the calling thread.
+struct Stream {
+  void* handle = nullptr;
+};
 
 const char* dtype_name(DType dtype);
 size_t dtype_size(DType dtype);
@@ -111,7 +117,7 @@ class Team {
   int rank() const;
   int world_size() const;
   Backend backend() const;
-  // CUDA device ordinal of this rank (-1 for the CPU backend).
+  // The device ordinal of this rank (CUDA: its device; -1 for the CPU backend).
   int device() const;
   size_t packet_bytes() const;
   // Most tokens a call of this width and dtype can carry with `algorithm` (one-shot:
@@ -192,11 +198,8 @@ std::vector<Team> create_cuda_team(const std::vector<int>& devices,
 Team create_cuda_team(const CpuTeamId& id, int rank, int world_size, int device,
                       const TeamOptions& options = {});
 
-// A team of one rank per process over an NCCL communicator the caller already has: the team
-// lives on the communicator's device, uses it for its symmetric workspace, the creation
-// handshake and the NCCL path, and must be destroyed (last handle dropped) before it, on every
-// rank (deregistering NCCL windows is collective). Collective: every rank of comm calls it.
-Team create_nccl_team(ncclComm_t comm, const TeamOptions& options = {});
+// A team of one rank per process over an NCCL communicator the caller already has: in
+// tpfuse/cuda.h, with the other forms that take CUDA's and NCCL's types.
 
 // NCCL's bootstrap id: made on one rank (create_unique_id), passed to the others through any
 // channel (MPI, a torch process group, a file), then create_nccl_team on every rank.
@@ -251,8 +254,7 @@ struct QkNormArgs {
 // fp32, rank order, identical bits on every rank), then q = q * rsqrt(sum_q / q_global_size +
 // eps) * q_gamma, k likewise, then the optional RoPE; rounded once to dtype. One kernel per call.
 // Returns the algorithm that ran.
-Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args,
-                               cudaStream_t stream = nullptr);
+Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, Stream stream = {});
 
 // The QK norm's two local halves, for a runtime that all-reduces the sums itself (and for the
 // NCCL path): qk_sum_squares writes this rank's sums[token] = {sum q^2, sum k^2} (fp32, k as 0
@@ -262,9 +264,9 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args,
 // on the same device as the tensors (host memory for kCpu). q_global_size and k_global_size are
 // used; kv_replicas is not.
 void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
-                    cudaStream_t stream = nullptr);
+                    Stream stream = {});
 void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
-                          cudaStream_t stream = nullptr);
+                          Stream stream = {});
 
 // This rank will not make the fused call its peers are making (the caller's own checks failed,
 // say): it takes its turn without data, where the call would have been, so that the peers' call
@@ -273,7 +275,7 @@ void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* 
 // calls arrive (on any path: the CPU's NCCL stand-in takes turns too). Nothing happens on a CUDA
 // team's NCCL path: a turn there is an all-reduce of the call's count, which this call does not
 // know (the ops' own rejections of a well-formed call take it).
-void reject_call(const Team& team, cudaStream_t stream = nullptr);
+void reject_call(const Team& team, Stream stream = {});
 
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
 bool cuda_available();
@@ -342,7 +344,7 @@ struct AddRmsNormArgs {
 // residual_out gives within its own rounding. Outputs may alias input or residual exactly (in
 // place); partial overlaps are rejected, and so is any overlap with gamma. For the CUDA backend
 // pointers are device pointers of this rank's device and the work is queued on `stream`; for the
-// CPU backend they are host pointers, the call blocks, and `stream` must be null. Returns the
+// CPU backend they are host pointers, the call blocks, and `stream` must be empty. Returns the
 // algorithm that ran.
 //
 // One-shot and two-shot store a residual_out (or all-reduce out) word whose bits are the
@@ -352,17 +354,16 @@ struct AddRmsNormArgs {
 //
 // On a one-rank team there is nothing to exchange: every algorithm runs the local epilogue kernel
 // (add_rmsnorm's) and gives its bits.
-Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args,
-                                cudaStream_t stream = nullptr);
+Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, Stream stream = {});
 
 // out = sum over ranks of input; count elements (a multiple of kHiddenMultiple). Returns the
 // algorithm that ran.
 Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
-                    cudaStream_t stream = nullptr, Algorithm algorithm = Algorithm::kAuto);
+                    Stream stream = {}, Algorithm algorithm = Algorithm::kAuto);
 
 // The local fused epilogue on one device (no collective): residual_out = input + residual,
 // norm_out = rmsnorm(residual_out) * gamma. Backend kCuda queues a kernel on `stream`; kCpu runs
 // on the calling thread.
-void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream = nullptr);
+void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, Stream stream = {});
 
 }  // namespace tpfuse

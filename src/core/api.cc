@@ -126,24 +126,20 @@ void Team::check() const {
 
 namespace impl {
 
-std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int world_size,
-                                          const TeamOptions& options,
-                                          const std::string& device_name,
-                                          const std::string& fallback_reason,
-                                          const std::string& peer_memory) {
-  auto state = std::make_shared<TeamState>();
-  state->ops = &ops;
-  state->exchange.rank = rank;
-  state->exchange.world_size = world_size;
-  state->exchange.packet_bytes = options.packet_bytes;
-  state->exchange.header_area = header_offset(0, 0, world_size, options.packet_bytes);
-  state->exchange.timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
-  state->device_name = device_name;
-  state->selection = selection_for(device_name, world_size);
-  state->fused = fallback_reason.empty();
-  state->fallback_reason = fallback_reason;
-  state->peer_memory = peer_memory;
-  return state;
+void init_team_state(TeamState& state, const BackendOps& ops, int rank, int world_size,
+                     const TeamOptions& options, const std::string& device_name,
+                     const std::string& fallback_reason, const std::string& peer_memory) {
+  state.ops = &ops;
+  state.exchange.rank = rank;
+  state.exchange.world_size = world_size;
+  state.exchange.packet_bytes = options.packet_bytes;
+  state.exchange.header_area = header_offset(0, 0, world_size, options.packet_bytes);
+  state.exchange.timeout_ns = uint64_t(options.peer_timeout_seconds * 1e9);
+  state.device_name = device_name;
+  state.selection = selection_for(device_name, world_size);
+  state.fused = fallback_reason.empty();
+  state.fallback_reason = fallback_reason;
+  state.peer_memory = peer_memory;
 }
 
 RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args) {
@@ -276,10 +272,10 @@ bool turn_reaches(const TeamState& state, Algorithm algorithm) {
 
 // This rank's turn, without data, in a call its peers make on the NCCL path of a backend whose
 // NCCL path takes no absent turns (CUDA's NCCL): its header and the call's `count` from scratch
-// (src/cuda/nccl_headers.cu), so that the peers' NCCL call completes and tells them. `count` 0:
+// (BackendOps::nccl_turn), so that the peers' NCCL call completes and tells them. `count` 0:
 // not known (a malformed shape), no turn. A turn that cannot be queued is left out: the caller
 // is already reporting its own error.
-void take_nccl_turn(const TeamState& state, size_t count, DType dtype, cudaStream_t stream) {
+void take_nccl_turn(const TeamState& state, size_t count, DType dtype, Stream stream) {
   if (state.world_size() == 1 || count == 0 || state.ops->nccl_path_takes_turns() ||
       !state.ops->has_nccl_path(state)) {
     return;
@@ -295,7 +291,7 @@ void take_nccl_turn(const TeamState& state, size_t count, DType dtype, cudaStrea
 // takes its turn there (`nccl_count` elements of `dtype`; its header says the team failed), as
 // NCCL would otherwise leave the peers waiting.
 void refuse_if_failed(const TeamState& state, bool nccl_path, size_t nccl_count, DType dtype,
-                      cudaStream_t stream) {
+                      Stream stream) {
   if (state.world_size() > 1 && team_failed(state)) {
     if (nccl_path) take_nccl_turn(state, nccl_count, dtype, stream);
     throw RefusedCall(
@@ -307,7 +303,7 @@ void refuse_if_failed(const TeamState& state, bool nccl_path, size_t nccl_count,
 // The absent call of a rejected call, where the team takes turns. A turn that cannot be queued
 // (the stream was what was wrong) is left out: the caller is already reporting the rejection,
 // and the peers then time out.
-void queue_rejected_turn(const TeamState& state, cudaStream_t stream) {
+void queue_rejected_turn(const TeamState& state, Stream stream) {
   if (!takes_turns(state)) return;
   try {
     state.ops->absent_call(state, rejected_signature(), stream);
@@ -319,7 +315,7 @@ void queue_rejected_turn(const TeamState& state, cudaStream_t stream) {
 // goes on: as an absent call (session.h) on the fused paths, as an all-reduce of the call's count
 // on CUDA's NCCL path (the call asked for it, or its own shape would go there).
 void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tokens, int64_t hidden,
-                        DType dtype, cudaStream_t stream, const char* op) {
+                        DType dtype, Stream stream, const char* op) {
   // Only a well-formed shape says where the peers' call goes; a malformed one is this rank's
   // alone, and the peers' well-formed calls run fused.
   const bool shape_valid = tokens >= 0 && hidden > 0 && hidden <= kMaxHidden &&
@@ -337,7 +333,7 @@ void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tok
 }
 
 Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
-                   cudaStream_t stream, const char* op) {
+                   Stream stream, const char* op) {
   const TeamState& state = team_of(team, op);
   Algorithm algorithm = Algorithm::kAuto;
   try {
@@ -391,14 +387,14 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
   return algorithm;
 }
 
-void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass pass,
-                  cudaStream_t stream, const char* op) {
+void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass pass, Stream stream,
+                  const char* op) {
   validate_qk_args(args, op);
   TPF_CHECK_ARG(call.sums != nullptr, op, "sums is null");
   TPF_CHECK_ARG(reinterpret_cast<uintptr_t>(call.sums) % 8 == 0, op, "sums must be 8-byte aligned");
   const BackendOps& ops = require_backend(backend, op);
   ops.validate_call(nullptr, {}, stream, op);
-  if (pass == QkPass::kNormFromSums) ops.validate_positions(args, op);
+  if (pass == QkPass::kNormFromSums) ops.validate_qk(nullptr, args, Algorithm::kAuto, op);
   if (args.tokens == 0) return;
   ops.qk_local(call, args.dtype, pass, stream);
 }
@@ -406,12 +402,12 @@ void run_qk_local(Backend backend, const QkNormArgs& args, QkCall call, QkPass p
 }  // namespace
 }  // namespace impl
 
-Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, cudaStream_t stream) {
+Algorithm allreduce_add_rmsnorm(const Team& team, const AddRmsNormArgs& args, Stream stream) {
   return impl::run_rows(team, args, impl::row_epilogue_of(args), stream, "allreduce_add_rmsnorm");
 }
 
 Algorithm allreduce(const Team& team, const void* input, void* out, int64_t count, DType dtype,
-                    cudaStream_t stream, Algorithm algorithm) {
+                    Stream stream, Algorithm algorithm) {
   // Any positive multiple of kHiddenMultiple is carried (as rows, below).
   if (!(count > 0 && count % kHiddenMultiple == 0)) {
     if (team.state() != nullptr) {
@@ -442,15 +438,15 @@ Algorithm allreduce(const Team& team, const void* input, void* out, int64_t coun
   return impl::run_rows(team, args, impl::SumEpilogue::kKind, stream, "allreduce");
 }
 
-Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStream_t stream) {
+Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, Stream stream) {
   const char* op = "allreduce_qk_rmsnorm";
   const impl::TeamState& state = impl::team_of(team, op);
   Algorithm algorithm = Algorithm::kAuto;
   try {
     impl::validate_qk_args(args, op);
     algorithm = impl::choose_qk_algorithm(state, args, op);
-    impl::validate_qk_rmsnorm(state, args, algorithm, op);
-    state.ops->validate_positions(args, op);
+    impl::validate_qk_rmsnorm(state, args, op);
+    state.ops->validate_qk(&state, args, algorithm, op);
     state.ops->validate_call(&state,
                              {{"qkv", args.qkv},
                               {"q_out", args.q_out},
@@ -488,13 +484,13 @@ Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args, cudaStr
   return algorithm;
 }
 
-void reject_call(const Team& team, cudaStream_t stream) {
+void reject_call(const Team& team, Stream stream) {
   const impl::TeamState& state = impl::team_of(team, "reject_call");
   if (impl::takes_turns(state)) state.ops->absent_call(state, impl::rejected_signature(), stream);
 }
 
 void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
-                    cudaStream_t stream) {
+                    Stream stream) {
   impl::QkCall call = impl::make_qk_call(nullptr, args);
   call.sums = sums;
   call.counts_k = count_k;
@@ -502,14 +498,14 @@ void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float
 }
 
 void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
-                          cudaStream_t stream) {
+                          Stream stream) {
   impl::QkCall call = impl::make_qk_call(nullptr, args);
   call.sums = const_cast<float*>(sums);  // only read in this pass
   impl::run_qk_local(backend, args, call, impl::QkPass::kNormFromSums, stream,
                      "qk_rmsnorm_from_sums");
 }
 
-void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, cudaStream_t stream) {
+void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, Stream stream) {
   const char* op = "add_rmsnorm";
   TPF_CHECK_ARG(args.residual != nullptr, op, "residual is null");
   const impl::RowEpilogueKind epilogue = impl::row_epilogue_of(args);

@@ -1,12 +1,13 @@
-// The backend seam: what a team's calls run on. The CPU backend (src/cpu/backend.cc) and the
-// CUDA backend (src/cuda/backend.cu) each provide one BackendOps; a team holds the one it was made
-// for, and the entry points (core/api.cc) call through it. src/core/registry.cc lists what this
-// build has: a build without CUDA or NCCL simply has fewer of them.
+// The backend seam: what a team's calls run on. A backend is one folder (src/cpu/, src/cuda/)
+// holding its BackendOps, its team creation and what a build without it says, and one line in
+// src/core/registry.cc. A team holds the BackendOps it was made for, and the entry points
+// (core/api.cc) call through it. Nothing here names a backend's types: the backend's stream or
+// queue travels as the public Stream handle, which each backend reads as its own (the CPU
+// backend: empty), and what a backend keeps per rank is its own TeamState (team_state.h).
 #pragma once
 
-#include <cstdint>
+#include <cstddef>
 #include <initializer_list>
-#include <vector>
 
 #include "core/calls.h"
 #include "core/team_state.h"
@@ -28,34 +29,35 @@ class BackendOps {
   // Per-call checks of where the memory and the stream are, before any work (`team` null: a
   // local call). Throws naming the argument.
   virtual void validate_call(const TeamState* team, std::initializer_list<NamedPointer> pointers,
-                             cudaStream_t stream, const char* op) const = 0;
-  // The QK norm's positions where the backend can read them before any work (the CPU's are host
-  // memory); the GPU's kernels bound them instead (that token NaN, the call reported).
-  virtual void validate_positions(const QkNormArgs&, const char*) const {}
+                             Stream stream, const char* op) const = 0;
+  // The QK norm's checks only the backend can make, before any work (`team` null: the local
+  // norm from sums): its positions where it can read them (the CPU's are host memory; the GPU's
+  // kernels bound them instead: that token NaN, the call reported), and what its path for
+  // `algorithm` can carry (CUDA's NCCL path: its sums scratch).
+  virtual void validate_qk(const TeamState*, const QkNormArgs&, Algorithm, const char*) const {}
 
   // Row calls: the two fused algorithms, the NCCL path (the all-reduce engine, then the local
   // epilogue; on the CPU a stand-in with the same rounding), and the local epilogue alone.
   virtual void oneshot(const TeamState& team, const RowCall& call, DType dtype,
-                       const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+                       const RowEpilogueKind& epilogue, Stream stream) const = 0;
   virtual void twoshot(const TeamState& team, const RowCall& call, DType dtype,
-                       const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+                       const RowEpilogueKind& epilogue, Stream stream) const = 0;
   virtual void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
-                         const RowEpilogueKind& epilogue, cudaStream_t stream) const = 0;
+                         const RowEpilogueKind& epilogue, Stream stream) const = 0;
   virtual void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
-                              cudaStream_t stream) const = 0;
+                              Stream stream) const = 0;
 
   // The QK norm: fused, through the NCCL path, and its local halves.
   virtual void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
-                          cudaStream_t stream) const = 0;
+                          Stream stream) const = 0;
   virtual void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
-                            cudaStream_t stream) const = 0;
-  virtual void qk_local(const QkCall& call, DType dtype, QkPass pass,
-                        cudaStream_t stream) const = 0;
+                            Stream stream) const = 0;
+  virtual void qk_local(const QkCall& call, DType dtype, QkPass pass, Stream stream) const = 0;
 
   // This rank's turn in a fused call it makes without data: a rejection (rejected_signature) or
   // a call of zero tokens (its own signature). session.h says why every rank must take it.
   virtual void absent_call(const TeamState& team, const CallSignature& signature,
-                           cudaStream_t stream) const = 0;
+                           Stream stream) const = 0;
 
   // This rank's turn on the NCCL path in a call it makes without data (a rejection, or a call
   // refused because the team failed): its header (`signature`; kFailed where the team failed)
@@ -63,7 +65,7 @@ class BackendOps {
   // completes and they are told (src/cuda/nccl_headers.cu). The CPU's stand-in takes the same
   // turn as an absent call.
   virtual void nccl_turn(const TeamState& team, const CallSignature& signature, size_t count,
-                         DType dtype, cudaStream_t stream) const = 0;
+                         DType dtype, Stream stream) const = 0;
   // Whether the team can run the NCCL path (the CPU's stand-in always can).
   virtual bool has_nccl_path(const TeamState& team) const = 0;
   // Whether the NCCL path's calls carry headers and take turns like the fused calls' (the CPU's
@@ -74,49 +76,10 @@ class BackendOps {
   virtual void check(const TeamState& team) const = 0;
 };
 
-// Everything tpfuse takes from NCCL (src/cuda/nccl.cu): the all-reduce of the NCCL path, the
-// communicators of in-process teams, and multi-process teams (src/team/nccl_team.cu).
-class NcclSupport {
- public:
-  virtual ~NcclSupport() = default;
-  virtual void allreduce(void* comm, const void* input, void* out, size_t count, DType dtype,
-                         cudaStream_t stream) const = 0;
-  // The NCCL path's all-reduce: the call headers (`world` 16-byte headers, summed in place as
-  // 32-bit integers; src/cuda/nccl_headers.cu) and the data, in one NCCL group.
-  virtual void allreduce_headed(void* comm, void* headers, int world, const void* input, void* out,
-                                size_t count, DType dtype, cudaStream_t stream) const = 0;
-  // One communicator per device (ncclCommInitAll), connected; and their release.
-  virtual std::vector<void*> in_process_comms(const std::vector<int>& devices) const = 0;
-  virtual void destroy_comms(std::vector<void*>& comms) const = 0;
-  virtual UniqueId unique_id() const = 0;
-  virtual Team team_over(ncclComm_t comm, const TeamOptions& options) const = 0;
-  virtual Team team_from_id(const UniqueId& id, int rank, int world_size, int device,
-                            const TeamOptions& options) const = 0;
-};
-
-// CUDA teams made without NCCL: in-process (src/team/cuda_team.cu), and one rank per process
-// over CUDA IPC, bootstrapped through a CPU team of the same id (src/team/ipc_team.cu).
-class CudaTeams {
- public:
-  virtual ~CudaTeams() = default;
-  virtual int device_count() const = 0;
-  virtual std::vector<Team> in_process(const std::vector<int>& devices,
-                                       const TeamOptions& options) const = 0;
-  virtual Team process_team(const CpuTeamId& id, int rank, int world_size, int device,
-                            const TeamOptions& options) const = 0;
-};
-
-// Defined only in the builds that have them; src/core/registry.cc is the one place that asks.
-const BackendOps& cuda_backend_ops();   // src/cuda/backend.cu
-const CudaTeams& cuda_team_factory();   // src/team/cuda_team.cu
-const NcclSupport& nccl_support_ops();  // src/cuda/nccl.cu
-
-// What this build has (src/core/registry.cc): null where a part was not built.
-const BackendOps& cpu_backend();
-const BackendOps* cuda_backend();
-const CudaTeams* cuda_teams();
-const NcclSupport* nccl_support();
-// The backend of `kind`, or an error naming `op` and what the build lacks.
+// The backends (src/core/registry.cc, one line each): the backend of `kind` where this build has
+// it, else null; require_backend and missing_backend throw naming `op` and what the build lacks.
+const BackendOps* find_backend(Backend kind);
 const BackendOps& require_backend(Backend kind, const char* op);
+[[noreturn]] void missing_backend(Backend kind, const char* op);
 
 }  // namespace tpfuse::impl

@@ -1,4 +1,5 @@
-// Error macros: each throws tpfuse::Error with the file, line and what was expected.
+// Error macros: each throws tpfuse::Error with the file, line and what was expected. (A
+// backend's checks of its own runtime's status codes are in its folder: src/cuda/check.h.)
 #pragma once
 
 #include <cstring>
@@ -51,21 +52,4 @@ class RefusedCall : public Error {
     std::ostringstream tpf_message_;                                     \
     tpf_message_ << "tpfuse: " << stream_expr;                           \
     ::tpfuse::impl::throw_error(__FILE__, __LINE__, tpf_message_.str()); \
-  } while (0)
-
-#define TPF_CHECK_CUDA(call)                                                 \
-  do {                                                                       \
-    cudaError_t tpf_status_ = (call);                                        \
-    if (tpf_status_ != cudaSuccess) {                                        \
-      TPF_FAIL(#call << " failed: " << cudaGetErrorName(tpf_status_) << ": " \
-                     << cudaGetErrorString(tpf_status_));                    \
-    }                                                                        \
-  } while (0)
-
-#define TPF_CHECK_NCCL(call)                                             \
-  do {                                                                   \
-    ncclResult_t tpf_status_ = (call);                                   \
-    if (tpf_status_ != ncclSuccess) {                                    \
-      TPF_FAIL(#call << " failed: " << ncclGetErrorString(tpf_status_)); \
-    }                                                                    \
   } while (0)

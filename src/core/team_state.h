@@ -1,7 +1,6 @@
 // Internal: what a Team handle points to.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -28,25 +27,19 @@ struct SelectionStep {
   Algorithm algorithm;
 };
 
-// A rank's share of its device's multiprocessors: the device's, divided among the team's ranks
-// on that device. A collective's blocks poll for packets that the peers' grids send, so every
-// rank's grid must be resident at once; ranks that share a device and each sized their grid to
-// the whole device could wait on a peer's grid that cannot start (the suspected cause of a
-// timeout with 4 ranks on one H100, two-shot, 30 tokens x 16384; CHANGELOG, Known issue).
-inline int share_of_multiprocessors(int device_multiprocessors, int ranks_on_device) {
-  return ranks_on_device > 1 ? std::max(1, device_multiprocessors / ranks_on_device)
-                             : device_multiprocessors;
-}
-
-constexpr size_t kNcclHeaderBytes = 16 * kMaxWorldSize;
-
+// One rank's state, as every backend has it. A backend that keeps more per rank (CUDA: its
+// grids' share of the device, its NCCL path's communicator and buffers) derives its own state from
+// this one (new_team_state<State>) and reads it back in its own calls.
 struct TeamState {
+  TeamState() = default;
+  TeamState(const TeamState&) = delete;
+  TeamState& operator=(const TeamState&) = delete;
+  virtual ~TeamState() = default;
+
   const BackendOps* ops = nullptr;  // the backend every call of this team runs on
   Exchange exchange{};              // rank, world size, workspace, control block, timeout
-  int device = -1;                  // CUDA device ordinal (-1 on the CPU)
-  // CUDA: the multiprocessors this rank's grids may fill (share_of_multiprocessors).
-  int multiprocessors = 0;
-  std::string device_name;  // e.g. "NVIDIA H200": the selection table's key
+  int device = -1;                  // the backend's device ordinal (-1 on the CPU)
+  std::string device_name;          // e.g. "NVIDIA H200": the selection table's key
   // The table's rows for this device and world size, in order (matched once, at creation).
   std::vector<SelectionStep> selection;
   // false when the fused kernels may not run (no proven peer stores): every op takes the NCCL
@@ -54,13 +47,6 @@ struct TeamState {
   bool fused = true;
   std::string fallback_reason;
   std::string peer_memory;
-  // CUDA teams with NCCL: this rank's communicator (ncclComm_t), and a [packet_bytes / 8, 2]
-  // fp32 device buffer for the QK norm's NCCL path.
-  void* nccl_comm = nullptr;
-  float* qk_sums = nullptr;
-  // CUDA teams with NCCL: the NCCL path's call headers, one 16-byte header a rank
-  // (src/cuda/nccl_headers.cu), kNcclHeaderBytes of device memory.
-  void* nccl_headers = nullptr;
   std::shared_ptr<TeamMemory> memory;
   // Teams whose ranks are processes: what is known of a peer's process, appended to the report of
   // a timeout waiting for it (e.g. " (its process, pid 123, has exited)"; empty if nothing is).
@@ -71,13 +57,23 @@ struct TeamState {
   size_t packet_bytes() const { return exchange.packet_bytes; }
 };
 
-// A rank's state with what every team kind sets alike: the exchange from `options`, the
-// selection rows of `device_name`, and the fallback (fused when `fallback_reason` is empty).
-std::shared_ptr<TeamState> new_team_state(const BackendOps& ops, int rank, int world_size,
-                                          const TeamOptions& options,
-                                          const std::string& device_name,
-                                          const std::string& fallback_reason,
-                                          const std::string& peer_memory);
+// Sets what every team kind sets alike: the exchange from `options`, the selection rows of
+// `device_name`, and the fallback (fused when `fallback_reason` is empty).
+void init_team_state(TeamState& state, const BackendOps& ops, int rank, int world_size,
+                     const TeamOptions& options, const std::string& device_name,
+                     const std::string& fallback_reason, const std::string& peer_memory);
+
+// A rank's state (the backend's own State, derived from TeamState), set up by init_team_state.
+template <typename State = TeamState>
+std::shared_ptr<State> new_team_state(const BackendOps& ops, int rank, int world_size,
+                                      const TeamOptions& options, const std::string& device_name,
+                                      const std::string& fallback_reason,
+                                      const std::string& peer_memory) {
+  auto state = std::make_shared<State>();
+  init_team_state(*state, ops, rank, world_size, options, device_name, fallback_reason,
+                  peer_memory);
+  return state;
+}
 
 void validate_team_options(const TeamOptions& options, const char* op);
 

@@ -280,17 +280,10 @@ Algorithm choose_qk_algorithm(const TeamState& team, const QkNormArgs& a, const 
   return team.fused && fits ? Algorithm::kOneShot : Algorithm::kNccl;
 }
 
-void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, Algorithm algorithm,
-                         const char* op) {
+void validate_qk_rmsnorm(const TeamState& team, const QkNormArgs& a, const char* op) {
   TPF_CHECK_ARG(
       a.kv_replicas >= 1 && team.world_size() % a.kv_replicas == 0, op,
       "kv_replicas must divide the world size " << team.world_size() << ", got " << a.kv_replicas);
-  if (algorithm == Algorithm::kNccl && team.qk_sums != nullptr) {
-    TPF_CHECK_ARG(size_t(a.tokens) * 8 <= team.packet_bytes(), op,
-                  "tokens " << a.tokens << " need " << size_t(a.tokens) * 8
-                            << " bytes of sums, over the team's NCCL scratch of "
-                            << team.packet_bytes());
-  }
 }
 
 void validate_qk_args(const QkNormArgs& a, const char* op) {

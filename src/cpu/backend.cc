@@ -59,68 +59,67 @@ class CpuBackend final : public BackendOps {
  public:
   Backend kind() const override { return Backend::kCpu; }
 
-  void validate_call(const TeamState* team, std::initializer_list<NamedPointer>,
-                     cudaStream_t stream, const char* op) const override {
+  // The CPU backend has no stream: a call runs on its rank's thread.
+  void validate_call(const TeamState* team, std::initializer_list<NamedPointer>, Stream stream,
+                     const char* op) const override {
     TPF_CHECK_ARG(
-        stream == nullptr, op,
+        stream.handle == nullptr, op,
         "stream must be null for " << (team != nullptr ? "a CPU-backend team" : "the CPU backend"));
   }
-  void validate_positions(const QkNormArgs& args, const char* op) const override {
+  void validate_qk(const TeamState*, const QkNormArgs& args, Algorithm,
+                   const char* op) const override {
     validate_positions_on_host(args, op);
   }
 
   void oneshot(const TeamState& team, const RowCall& call, DType dtype,
-               const RowEpilogueKind& epilogue, cudaStream_t) const override {
+               const RowEpilogueKind& epilogue, Stream) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_oneshot(run.call(), dtype, run.epilogue()); },
         [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void twoshot(const TeamState& team, const RowCall& call, DType dtype,
-               const RowEpilogueKind& epilogue, cudaStream_t) const override {
+               const RowEpilogueKind& epilogue, Stream) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_twoshot(run.call(), dtype, run.epilogue()); },
         [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
-                 const RowEpilogueKind& epilogue, cudaStream_t) const override {
+                 const RowEpilogueKind& epilogue, Stream) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     poisoning(
         team, [&] { cpu_nccl_path(run.call(), dtype, run.epilogue()); },
         [&] { poison(outputs_of(call, dtype, epilogue)); });
   }
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
-                      cudaStream_t) const override {
+                      Stream) const override {
     const CpuMoeInput run(call, dtype, epilogue);
     cpu_local_epilogue(run.call(), dtype, run.epilogue());
   }
 
-  void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
-                  cudaStream_t) const override {
+  void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype, Stream) const override {
     poisoning(
         team, [&] { cpu_qk_rmsnorm(call, dtype, QkPass::kFused); },
         [&] { poison(outputs_of(call, dtype)); });
   }
-  void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
-                    cudaStream_t) const override {
+  void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype, Stream) const override {
     poisoning(
         team, [&] { cpu_qk_nccl_path(call, dtype); }, [&] { poison(outputs_of(call, dtype)); });
   }
-  void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t) const override {
+  void qk_local(const QkCall& call, DType dtype, QkPass pass, Stream) const override {
     cpu_qk_rmsnorm(call, dtype, pass);
   }
 
   void nccl_turn(const TeamState& team, const CallSignature& signature, size_t, DType,
-                 cudaStream_t stream) const override {
+                 Stream stream) const override {
     absent_call(team, signature, stream);
   }
 
   bool has_nccl_path(const TeamState&) const override { return true; }
   bool nccl_path_takes_turns() const override { return true; }
 
-  void absent_call(const TeamState& team, const CallSignature& signature,
-                   cudaStream_t) const override {
+  void absent_call(const TeamState& team, const CallSignature& signature, Stream) const override {
     noting_peer(team, [&] { cpu_absent_call(team.exchange, signature); });
   }
 
@@ -138,6 +137,10 @@ class CpuBackend final : public BackendOps {
 const BackendOps& cpu_backend() {
   static const CpuBackend backend;
   return backend;
+}
+
+const BackendOps* cpu_backend_ops() {
+  return &cpu_backend();
 }
 
 }  // namespace tpfuse::impl

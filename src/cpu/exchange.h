@@ -79,6 +79,29 @@ inline void record_mark(const Exchange& x, const Vec16& mark) {
   TPF_FAIL(describe_failure(*x.errors, x.rank, -1));
 }
 
+// A peer that failed the team (it gave up on a call, or disagreed with another rank) announced it
+// (its mark): this rank's failure too, and no wait of this call can end. Throws.
+inline void throw_if_marked(const Exchange& x) {
+  const Vec16 mark = load_vector(reinterpret_cast<const char*>(x.mark()));
+  if (!has_arrived(mark)) return;
+  record_mark(x, mark);
+  throw_failure(x);
+}
+
+// The CPU's clock for bounded_wait (session.h): a steady clock, read every 64 polls. Ranks may
+// outnumber cores: after a short spin a poll gives the core to the peer it waits on.
+struct ThreadClock {
+  static constexpr uint32_t kCheckEvery = 64;
+  static uint64_t now_ns() {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now().time_since_epoch())
+                        .count());
+  }
+  static void pause(uint32_t reads) {
+    if (reads >= 16) std::this_thread::yield();
+  }
+};
+
 // What one CPU call has learned from its peers' headers: which peers rejected their call or
 // disagree with it (their packets never come, or do not mean what this call reads: the waits on
 // them return NaN). The call still makes every store its signature implies, then throws
@@ -87,90 +110,77 @@ struct CpuCall {
   const Exchange& x;
   uint32_t session_slot;
   CallSignature mine;
-  uint32_t rejected = 0;  // bit per peer
+  uint32_t rejected = 0;     // bit per peer
+  uint32_t disagreeing = 0;  // bit per peer whose header failed the team (disagrees, or failed)
 
   const char* header_of(int sender) const {
     return x.workspace[x.rank] + x.header_area +
            (size_t(session_slot) * size_t(x.world_size) + size_t(sender)) * 16;
   }
-  // A peer's header once in: records a rejection, or a disagreement (which fails the team).
-  // Returns true when the sender's packets are not this call's.
+  // A peer's header once in (session.h's record_header, this call its Recorder): returns true
+  // when the sender's packets are not this call's.
   bool header_stops(int sender, const Vec16& header) {
-    if (same_signature(header, mine.header)) return false;
-    if (CallSignature{header}.op() == CallOp::kRejected) {
-      rejected |= 1u << sender;
-    } else {
-      disagreeing |= 1u << sender;
-      record_failure(x, CallError::kMismatch, sender, mine.header, header);
-    }
-    return true;
+    return record_header(*this, x, mine.header, header, sender) != CallError::kNone;
   }
-  uint32_t disagreeing = 0;  // bit per peer
+  // record_header's Recorder: a rejection is this call's to report (finish_call); a failure is the
+  // team's (the error record and the mark; the record keeps the call number itself).
+  void on_rejection(const Exchange&, int sender) { rejected |= 1u << sender; }
+  void on_failure(const Exchange&, CallError kind, int sender, const Vec16& mine_header,
+                  const Vec16& theirs, uint32_t) {
+    disagreeing |= 1u << sender;
+    record_failure(x, kind, sender, mine_header, theirs);
+  }
 };
 
-// Waits for one vector (a header, or a packet an absent call drains) with the team's deadline:
-// a deadline that passes marks the team failed and throws naming the missing rank.
+// Waits for one vector (a header, or a packet an absent call drains): session.h's bounded_wait,
+// which a peer's failure mark ends (throws) and whose timeout marks the team failed and throws
+// naming the missing rank.
 inline Vec16 wait_vector(const char* address, const Exchange& x, const CallSignature& mine,
                          int sender) {
-  Vec16 v = load_vector(address);
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spins = 0; !has_arrived(v); ++spins) {
-    if (spins >= 16) std::this_thread::yield();
-    if (spins % 64 == 63 && mark_arrived(x)) {
-      record_mark(x, load_vector(reinterpret_cast<const char*>(x.mark())));
-      throw_failure(x);
-    }
-    if (spins % 64 == 63 && x.timeout_ns != 0) {
-      const auto waited = std::chrono::steady_clock::now() - start;
-      if (uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count()) >
-          x.timeout_ns) {
-        record_failure(x, CallError::kTimeout, sender, mine.header, v);
+  Vec16 v;
+  bounded_wait<ThreadClock>(
+      x.timeout_ns, [&] { return load_vector(address); },
+      [&] {
+        throw_if_marked(x);
+        return false;
+      },
+      [&](const Vec16& last) {
+        record_failure(x, CallError::kTimeout, sender, mine.header, last);
         throw_failure(x);
-      }
-    }
-    v = load_vector(address);
-  }
+      },
+      v);
   return v;
 }
 
-// Polls one packet vector until every word holds data. While it waits it reads the sender's
-// header: a rejected peer ends the wait with NaN, a disagreeing one fails the team (throws). A
-// deadline that passes marks the team failed and throws naming the missing rank.
+// Polls one packet vector until every word holds data (session.h's bounded_wait). While it waits
+// it reads the sender's header: a rejected peer ends the wait with NaN, a disagreeing one fails
+// the team (recorded; the wait ends with NaN, finish_call throws). A peer's failure mark throws;
+// a deadline that passes marks the team failed and throws naming the missing rank.
 inline Vec16 poll_vector(const char* address, CpuCall& call, int sender) {
   if ((call.rejected | call.disagreeing) & (1u << sender)) return nan_vector();
-  Vec16 v = load_vector(address);
-  if (has_arrived(v)) return v;
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spins = 0;; ++spins) {
-    v = load_vector(address);
-    if (has_arrived(v)) return v;
-    // Ranks may outnumber cores: after a short spin, give the core to the peer being waited on.
-    if (spins >= 16) std::this_thread::yield();
-    if (spins % 64 == 63) {
-      const Vec16 header = load_vector(call.header_of(sender));
-      if (has_arrived(header) && call.header_stops(sender, header)) return nan_vector();
-      // A peer that failed the team (it gave up on a call, or disagreed with another rank)
-      // announced it: this call cannot complete.
-      const Vec16 mark = load_vector(reinterpret_cast<const char*>(call.x.mark()));
-      if (has_arrived(mark)) {
-        record_mark(call.x, mark);
-        throw_failure(call.x);
-      }
-      const auto waited = std::chrono::steady_clock::now() - start;
-      const auto waited_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
-      if (call.x.timeout_ns != 0 && uint64_t(waited_ns) > call.x.timeout_ns) {
+  const Exchange& x = call.x;
+  Vec16 v;
+  const bool arrived = bounded_wait<ThreadClock>(
+      x.timeout_ns, [&] { return load_vector(address); },
+      [&] {
+        const Vec16 header = load_vector(call.header_of(sender));
+        if (has_arrived(header) && call.header_stops(sender, header)) return true;
+        throw_if_marked(x);
+        return false;
+      },
+      [&](const Vec16&) {
         // The rank to name is one that has not begun this call (its header is not in), where
         // there is one: the sender waited on may itself be waiting for it (two-shot's gather).
         int missing = sender;
-        for (int r = call.x.world_size - 1; r >= 0; --r) {
-          if (r != call.x.rank && !has_arrived(load_vector(call.header_of(r)))) missing = r;
+        for (int r = x.world_size - 1; r >= 0; --r) {
+          if (r != x.rank && !has_arrived(load_vector(call.header_of(r)))) missing = r;
         }
-        record_failure(call.x, CallError::kTimeout, missing, call.mine.header,
+        record_failure(x, CallError::kTimeout, missing, call.mine.header,
                        load_vector(call.header_of(missing)));
-        throw_failure(call.x);
-      }
-    }
-  }
+        throw_failure(x);
+      },
+      v);
+  return arrived ? v : nan_vector();
 }
 
 // Stores `bytes` (a multiple of 16) of packets from the plain buffer `source`, sentinel words

@@ -9,6 +9,10 @@
 
 namespace tpfuse::impl {
 
+class BackendOps;
+// The CPU backend (cpu/backend.cc): what the CPU teams (cpu/team.cc, cpu/process_team.cc) run on.
+const BackendOps& cpu_backend();
+
 void cpu_oneshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
 void cpu_twoshot(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
 void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);

@@ -21,24 +21,17 @@ namespace {
 
 constexpr int kAbsentThreads = 256;
 
-// Waits for one vector of a peer's packets, bounded by the team's timeout (a timeout fails the
-// team). Returns false once this rank's team has failed.
+// Waits for one vector of a peer's packets (session.h's bounded_wait; a timeout fails the
+// team). Returns false once this rank's team has failed, here or on a peer (its mark).
 __device__ bool drain_vector(const Vec16* address, const Exchange& x, int sender) {
-  uint64_t deadline = 0;
-  for (uint32_t spins = 1; !has_arrived(load_packet(address)); ++spins) {
-    if (spins % 256 != 0) continue;
-    if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return false;
-    if (mark_seen(x)) return false;
-    if (x.timeout_ns == 0) continue;
-    const uint64_t now = global_timer_ns();
-    if (deadline == 0) {
-      deadline = now + x.timeout_ns;
-    } else if (now > deadline) {
-      record_failure(x, CallError::kTimeout, sender, sentinel_vector(), sentinel_vector());
-      return false;
-    }
-  }
-  return true;
+  Vec16 v;
+  return bounded_wait<GridClock>(
+      x.timeout_ns, [&] { return load_packet(address); },
+      [&] { return failure_recorded(x) || mark_seen(x); },
+      [&](const Vec16&) {
+        record_failure(x, CallError::kTimeout, sender, sentinel_vector(), sentinel_vector());
+      },
+      v);
 }
 
 __global__ void __launch_bounds__(kAbsentThreads)
@@ -73,7 +66,7 @@ __global__ void __launch_bounds__(kAbsentThreads)
     headers[peer] = header;
   }
   __syncthreads();
-  if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return;
+  if (failure_recorded(x)) return;
 
   // 5. Drain, spread over the block.
   uint64_t clear_bytes = 0;

@@ -1,13 +1,15 @@
 // The CUDA backend's BackendOps: per-call checks of devices and streams, the fused kernels, and
-// the NCCL path (ncclAllReduce through core/backend.h's NcclSupport, then the local kernels).
+// the NCCL path (ncclAllReduce through cuda/team_state.h's NcclSupport, then the local kernels).
+// A call's Stream is the cudaStream_t it carries (cuda_stream_of).
 #include <cuda_runtime.h>
 
 #include <string>
 
 #include "core/backend.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/team_state.h"
 
 namespace tpfuse::impl {
 
@@ -32,7 +34,7 @@ void cuda_preload_kernels(int world_size) {
 
 namespace {
 
-const NcclSupport& nccl_of(const TeamState& team, const char* op) {
+const NcclSupport& nccl_of(const CudaTeamState& team, const char* op) {
   if (nccl_support() == nullptr || team.nccl_comm == nullptr) {
     TPF_FAIL(op << ": the NCCL path needs NCCL, which this build or team does not have");
   }
@@ -66,8 +68,9 @@ class CudaBackend final : public BackendOps {
 
   // Local calls (no team) are not checked here: they run on whatever device is current.
   void validate_call(const TeamState* team, std::initializer_list<NamedPointer> pointers,
-                     cudaStream_t stream, const char* op) const override {
+                     Stream queue, const char* op) const override {
     if (team == nullptr) return;
+    const cudaStream_t stream = cuda_stream_of(queue);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (stream != nullptr) TPF_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
     // A capturing stream cannot be asked its device; the launch onto it (made on the team's
@@ -97,17 +100,30 @@ class CudaBackend final : public BackendOps {
     }
   }
 
-  void oneshot(const TeamState& team, const RowCall& call, DType dtype,
-               const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
-    cuda_oneshot(team, call, dtype, epilogue, stream);
-  }
-  void twoshot(const TeamState& team, const RowCall& call, DType dtype,
-               const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
-    cuda_twoshot(team, call, dtype, epilogue, stream);
+  // The QK norm's NCCL path sums into the team's scratch of packet_bytes (CudaTeamState::qk_sums).
+  void validate_qk(const TeamState* team, const QkNormArgs& args, Algorithm algorithm,
+                   const char* op) const override {
+    if (team == nullptr || algorithm != Algorithm::kNccl) return;
+    if (cuda_state(*team).qk_sums == nullptr) return;
+    TPF_CHECK_ARG(size_t(args.tokens) * 8 <= team->packet_bytes(), op,
+                  "tokens " << args.tokens << " need " << size_t(args.tokens) * 8
+                            << " bytes of sums, over the team's NCCL scratch of "
+                            << team->packet_bytes());
   }
 
-  void nccl_path(const TeamState& team, const RowCall& call, DType dtype,
-                 const RowEpilogueKind& epilogue, cudaStream_t stream) const override {
+  void oneshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, Stream stream) const override {
+    cuda_oneshot(team, call, dtype, epilogue, cuda_stream_of(stream));
+  }
+  void twoshot(const TeamState& team, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, Stream stream) const override {
+    cuda_twoshot(team, call, dtype, epilogue, cuda_stream_of(stream));
+  }
+
+  void nccl_path(const TeamState& rank, const RowCall& call, DType dtype,
+                 const RowEpilogueKind& epilogue, Stream queue) const override {
+    const CudaTeamState& team = cuda_state(rank);
+    const cudaStream_t stream = cuda_stream_of(queue);
     const NcclSupport& nccl = nccl_of(team, "allreduce_add_rmsnorm");
     DeviceGuard guard(team.device);
     const size_t count = size_t(call.tokens) * size_t(call.hidden);
@@ -150,17 +166,19 @@ class CudaBackend final : public BackendOps {
   }
 
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
-                      cudaStream_t stream) const override {
-    cuda_local_epilogue(call, dtype, epilogue, stream);
+                      Stream stream) const override {
+    cuda_local_epilogue(call, dtype, epilogue, cuda_stream_of(stream));
   }
 
   void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,
-                  cudaStream_t stream) const override {
-    cuda_qk_rmsnorm(team, call, dtype, stream);
+                  Stream stream) const override {
+    cuda_qk_rmsnorm(team, call, dtype, cuda_stream_of(stream));
   }
 
-  void qk_nccl_path(const TeamState& team, const QkCall& call, DType dtype,
-                    cudaStream_t stream) const override {
+  void qk_nccl_path(const TeamState& rank, const QkCall& call, DType dtype,
+                    Stream queue) const override {
+    const CudaTeamState& team = cuda_state(rank);
+    const cudaStream_t stream = cuda_stream_of(queue);
     const NcclSupport& nccl = nccl_of(team, "allreduce_qk_rmsnorm");
     DeviceGuard guard(team.device);
     QkCall pass = call;
@@ -173,8 +191,10 @@ class CudaBackend final : public BackendOps {
     cuda_nccl_check(team, outputs_of(call, dtype), stream);
   }
 
-  void nccl_turn(const TeamState& team, const CallSignature& signature, size_t count, DType dtype,
-                 cudaStream_t stream) const override {
+  void nccl_turn(const TeamState& rank, const CallSignature& signature, size_t count, DType dtype,
+                 Stream queue) const override {
+    const CudaTeamState& team = cuda_state(rank);
+    const cudaStream_t stream = cuda_stream_of(queue);
     const NcclSupport& nccl = nccl_of(team, "a rejected call's turn");
     DeviceGuard guard(team.device);
     cuda_nccl_headers(team, signature, stream);
@@ -185,16 +205,18 @@ class CudaBackend final : public BackendOps {
                           dtype, stream);
   }
 
-  void qk_local(const QkCall& call, DType dtype, QkPass pass, cudaStream_t stream) const override {
-    cuda_qk_local(call, dtype, pass, stream);
+  void qk_local(const QkCall& call, DType dtype, QkPass pass, Stream stream) const override {
+    cuda_qk_local(call, dtype, pass, cuda_stream_of(stream));
   }
 
   void absent_call(const TeamState& team, const CallSignature& signature,
-                   cudaStream_t stream) const override {
-    cuda_absent_call(team, signature, stream);
+                   Stream stream) const override {
+    cuda_absent_call(team, signature, cuda_stream_of(stream));
   }
 
-  bool has_nccl_path(const TeamState& team) const override { return team.nccl_comm != nullptr; }
+  bool has_nccl_path(const TeamState& team) const override {
+    return cuda_state(team).nccl_comm != nullptr;
+  }
   bool nccl_path_takes_turns() const override { return false; }
 
   void check(const TeamState& team) const override { cuda_check(team); }
@@ -202,9 +224,13 @@ class CudaBackend final : public BackendOps {
 
 }  // namespace
 
-const BackendOps& cuda_backend_ops() {
+const BackendOps& cuda_backend() {
   static const CudaBackend backend;
   return backend;
+}
+
+const BackendOps* cuda_backend_ops() {
+  return &cuda_backend();
 }
 
 }  // namespace tpfuse::impl

@@ -40,6 +40,14 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   return t;
 }
 
+// The GPU's clock for bounded_wait (session.h): the global timer, read every 256 polls (a read
+// of it and the slow path's checks cost a poll little that often); a poll spins between reads.
+struct GridClock {
+  static constexpr uint32_t kCheckEvery = 256;
+  __device__ __forceinline__ static uint64_t now_ns() { return global_timer_ns(); }
+  __device__ __forceinline__ static void pause(uint32_t) {}
+};
+
 // Programmatic dependent launch. wait: blocks until every prerequisite grid has completed and
 // its memory is visible (PTX griddepcontrol.wait). launch_dependents: lets the next kernel in
 // the stream be scheduled (it still waits for our completion before touching memory).
@@ -217,30 +225,71 @@ __device__ __forceinline__ bool claim_call_error(const Exchange& x) {
   return atomicCAS(&x.control->call_claims, generation, generation + 1) == generation;
 }
 
-// What a sender's header, once in, says of this rank's call: nothing (same signature) or why
-// the call cannot have its data (recorded). Returns true when it differs.
-__device__ __forceinline__ bool header_differs(const Exchange& x, const CallSignature& mine,
-                                               const Vec16& header, int sender) {
-  if (same_signature(header, mine.header)) return false;
-  if (CallSignature{header}.op() == CallOp::kRejected) {
+// A timeout waiting for `sender`, recorded without record_failure's two vectors: live in a hot
+// kernel's poll they cost it registers (scripts/kernel-registers.sh shows it), and a timeout's
+// record needs neither.
+__device__ __forceinline__ void record_timeout(const Exchange& x, int sender) {
+  if (claim_failure(x, sender)) {
+    publish_failure(x, CallError::kTimeout, sender, kUnknownSequence);
+    x.errors->failure_peer = uint32_t(sender);
+    write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));
+  }
+}
+
+// record_header's Recorder on the GPU (session.h): the rank's error record, its first writer
+// decided in device memory (claim_call_error, record_failure).
+struct DeviceRecorder {
+  __device__ __forceinline__ void on_rejection(const Exchange& x, int sender) const {
     if (claim_call_error(x)) {
       x.errors->call_peer = uint32_t(sender);
       write_host_word(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
     }
+  }
+  __device__ __forceinline__ void on_failure(const Exchange& x, CallError kind, int sender,
+                                             const Vec16& mine, const Vec16& theirs,
+                                             uint32_t sequence) const {
+    record_failure(x, kind, sender, mine, theirs, sequence);
+  }
+};
+
+// What a sender's header on a fused path, once in, says of this rank's call (session.h's
+// header_verdict: nothing, or why the call cannot have its data, recorded). Returns true when it
+// differs. No header on a fused path says its sender's team failed (a rank whose team failed
+// refuses its calls before it stores anything), so the fused kernels record the two verdicts they
+// can meet here rather than through record_header: its third branch, even folded away, cost a
+// one-shot kernel spills (ptxas -v, sm_90a; a kFailed header would count as a disagreement).
+__device__ __forceinline__ bool header_differs(const Exchange& x, const CallSignature& mine,
+                                               const Vec16& header, int sender) {
+  const CallError verdict = header_verdict(mine.header, header);
+  if (verdict == CallError::kNone) return false;
+  if (verdict == CallError::kPeerRejected) {
+    DeviceRecorder{}.on_rejection(x, sender);
   } else {
     record_failure(x, CallError::kMismatch, sender, mine.header, header);
   }
   return true;
 }
 
-// The slow path of a poll: spins until every word of a packet vector holds data, with the
-// bounded wait. Every 256 spins it also reads the hash word of the sender's call header: one
-// that is in and differs from this call's (a sender that rejected its call, or whose call
-// disagrees) ends the wait; so do a timeout (recorded here) and a failure another thread of
-// this rank recorded. What differed is recorded by the header check at the end of the call
-// (check_header), where it costs the fast path no registers. A wait that ends without data
-// returns NaN: the call's outputs are then NaN, and Team::check says why.
-// Inlined: a call would make the caller save its live registers (spills) around it.
+// Whether this rank's team has failed (a thread of this rank recorded it): one word, volatile.
+__device__ __forceinline__ bool failure_recorded(const Exchange& x) {
+  return *reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0;
+}
+
+// The wait for a packet vector in the fused kernels' receive loops: spins until every word holds
+// data. In its slow path (every GridClock::kCheckEvery polls) it reads the hash word of the
+// sender's call header: one that is in and differs from this call's (a sender that rejected its
+// call, or whose call disagrees) ends the wait; so do a failure another thread of this rank
+// recorded, and a timeout (record_timeout). What differed is recorded by the header check at the
+// end of the call (check_header), where it costs the fast path no registers. A wait that ends
+// without data returns NaN: the call's outputs are then NaN, and Team::check says why. Inlined:
+// a call would make the caller save its live registers (spills) around it.
+//
+// WARNING: the one wait not written through bounded_wait (session.h), on purpose. It is the same
+// loop, but here in the hot kernels ptxas allocates registers differently as soon as a part of
+// it is a function, even an inlined one: with the give-up test as a predicate (a lambda, or a
+// struct with an inlined operator()), or only the deadline as a helper, some one-shot kernels
+// took up to 10 more registers and others spilled (ptxas -v, sm_90a, oneshot_shard0 against the
+// loop as written here). Keep it written out; change it only with scripts/kernel-registers.sh.
 template <typename Session>
 __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Session& session,
                                                  const Exchange& x, const CallSignature& mine,
@@ -249,7 +298,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
   for (uint32_t spins = 1;; ++spins) {
     const Vec16 v = load_packet(address);
     if (has_arrived(v)) return v;
-    if (spins % 256 == 0) {
+    if (spins % GridClock::kCheckEvery == 0) {
       const uint32_t hash =
           reinterpret_cast<const volatile uint32_t*>(session.received_header(x, sender))[3];
       if (hash != kSentinel && hash != mine.hash()) return nan_vector();
@@ -259,13 +308,7 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
         if (deadline == 0) {
           deadline = now + x.timeout_ns;
         } else if (now > deadline) {
-          // Not record_failure: its two vectors, live here, cost registers in the hot kernels
-          // (scripts/kernel-registers.sh shows it); a timeout's record needs neither.
-          if (claim_failure(x, sender)) {
-            publish_failure(x, CallError::kTimeout, sender, kUnknownSequence);
-            x.errors->failure_peer = uint32_t(sender);
-            write_host_word(&x.errors->failure, uint32_t(CallError::kTimeout));
-          }
+          record_timeout(x, sender);
           return nan_vector();
         }
       }
@@ -330,24 +373,12 @@ __device__ __forceinline__ void check_header(const Session& session, const Excha
   wait_async_copies();
   if (early.header[sender].word[3] == mine.hash()) return;
   const Vec16* address = session.received_header(x, sender);
-  uint64_t deadline = 0;
-  Vec16 header = load_packet(address);
-  for (uint32_t spins = 1; !has_arrived(header); ++spins) {
-    if (spins % 256 == 0) {
-      if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return;
-      if (x.timeout_ns != 0) {
-        const uint64_t now = global_timer_ns();
-        if (deadline == 0) {
-          deadline = now + x.timeout_ns;
-        } else if (now > deadline) {
-          record_failure(x, CallError::kTimeout, sender, mine.header, header);
-          return;
-        }
-      }
-    }
-    header = load_packet(address);
-  }
-  header_differs(x, mine, header, sender);
+  Vec16 header;
+  const bool arrived = bounded_wait<GridClock>(
+      x.timeout_ns, [&] { return load_packet(address); }, [&] { return failure_recorded(x); },
+      [&](const Vec16& last) { record_failure(x, CallError::kTimeout, sender, mine.header, last); },
+      header);
+  if (arrived) header_differs(x, mine, header, sender);
 }
 
 // Stores this rank's call header into every peer (threads 0..W-1 of block 0).

@@ -4,7 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "core/calls.h"
-#include "core/team_state.h"
+#include "cuda/team_state.h"
 #include "tpfuse/impl/epilogue.h"
 #include "tpfuse/tpfuse.h"
 
@@ -44,8 +44,8 @@ struct QkKernels {
 void cuda_absent_call(const TeamState& team, const CallSignature& signature, cudaStream_t stream);
 
 // The NCCL path's call headers (src/cuda/nccl_headers.cu): this rank's header into
-// TeamState::nccl_headers before the all-reduce, and the check of every rank's after it (NaN into
-// `outputs` and the error recorded where a peer's differs).
+// CudaTeamState::nccl_headers before the all-reduce, and the check of every rank's after it (NaN
+// into `outputs` and the error recorded where a peer's differs).
 void cuda_nccl_headers(const TeamState& team, const CallSignature& signature, cudaStream_t stream);
 void cuda_nccl_check(const TeamState& team, const CallOutputs& outputs, cudaStream_t stream);
 void cuda_preload_nccl_header_kernels();

@@ -11,7 +11,7 @@
 #include <tuple>
 #include <utility>
 
-#include "core/error.h"
+#include "cuda/check.h"
 #include "tpfuse/impl/dispatch.h"
 
 namespace tpfuse::impl {

@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "core/calls.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"

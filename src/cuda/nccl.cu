@@ -1,16 +1,14 @@
-// Everything tpfuse takes from NCCL, behind core/backend.h's NcclSupport: the all-reduce of the
-// NCCL path, the communicators of in-process teams, the bootstrap id, and multi-process teams
-// (created in src/team/nccl_team.cu).
+// Everything the CUDA backend takes from NCCL, behind cuda/team_state.h's NcclSupport: the
+// all-reduce of the NCCL path and the communicators of in-process teams. (Multi-process teams and
+// the bootstrap id: src/cuda/team/nccl_team.cu.)
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include <cstring>
 #include <vector>
 
-#include "core/backend.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #include "cuda/nccl_types.h"
-#include "team/teams.h"
+#include "cuda/team_state.h"
 
 namespace tpfuse::impl {
 namespace {
@@ -69,31 +67,13 @@ class Nccl final : public NcclSupport {
     for (void* comm : comms) ncclCommDestroy(static_cast<ncclComm_t>(comm));
     comms.clear();
   }
-
-  UniqueId unique_id() const override {
-    static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "UniqueId must hold an ncclUniqueId");
-    ncclUniqueId id;
-    TPF_CHECK_NCCL(ncclGetUniqueId(&id));
-    UniqueId out;
-    std::memcpy(out.bytes, id.internal, sizeof(out.bytes));
-    return out;
-  }
-
-  Team team_over(ncclComm_t comm, const TeamOptions& options) const override {
-    return create_team_over_nccl(comm, false, options);
-  }
-
-  Team team_from_id(const UniqueId& id, int rank, int world_size, int device,
-                    const TeamOptions& options) const override {
-    return create_team_from_nccl_id(id, rank, world_size, device, options);
-  }
 };
 
 }  // namespace
 
-const NcclSupport& nccl_support_ops() {
+const NcclSupport* nccl_support() {
   static const Nccl nccl;
-  return nccl;
+  return &nccl;
 }
 
 }  // namespace tpfuse::impl

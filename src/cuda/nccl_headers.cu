@@ -10,11 +10,13 @@
 //      each slot has one contributor, so the sum is every rank's header;
 //   3. the call's own work (the local epilogue, or the QK norm's second half);
 //   4. check kernel: compares each peer's header with this rank's. Alike (every good call): it
-//      returns after reading them. This rank's team failed (its header said so): NaN. A peer that
-//      rejected its call: this rank's outputs of the call are NaN and the per-call error is
-//      recorded (the team goes on). A peer whose team had failed: NaN, and this rank's team fails
-//      too (kPeerFailed). Anything else (another op, shape or call number): NaN, and the team fails
-//      (kMismatch), naming the peer and both headers.
+//      returns after reading them. This rank's team failed (its header said so): NaN. Else a
+//      differing header means what it means on the fused paths (session.h's header_verdict,
+//      recorded by record_header): a peer that rejected its call: this rank's outputs of the call
+//      are NaN and the per-call error is recorded (the team goes on). A peer whose team had
+//      failed: NaN, and this rank's team fails too (kPeerFailed). Anything else (another op,
+//      shape or call number): NaN, and the team fails (kMismatch), naming the peer and both
+//      headers.
 //
 // A rank that rejects a well-formed call, or refuses one because its team has failed, still takes
 // its turn (cuda_nccl_turn): the header (kRejected or kFailed) and an all-reduce of the call's
@@ -68,24 +70,6 @@ __global__ void __launch_bounds__(32)
   }
 }
 
-// What a peer's header that differs from this rank's means (the file's comment, step 4).
-__device__ void record_header(const Exchange& x, const Vec16& mine, const Vec16& theirs, int peer,
-                              uint32_t sequence) {
-  const CallOp op = CallSignature{theirs}.op();
-  if (op == CallOp::kRejected) {
-    if (claim_call_error(x)) {
-      x.errors->call_peer = uint32_t(peer);
-      write_host_word(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
-    }
-  } else if (op == CallOp::kFailed) {
-    const Vec16 mark =
-        failure_mark(CallError(theirs.word[1]), peer, int(theirs.word[2]), kUnknownSequence);
-    record_failure(x, CallError::kPeerFailed, peer, Vec16{}, mark, sequence);
-  } else {
-    record_failure(x, CallError::kMismatch, peer, mine, theirs, sequence);
-  }
-}
-
 __global__ void __launch_bounds__(kCheckThreads)
     nccl_check_kernel(const Exchange x, const Vec16* headers, const CallOutputs outputs) {
   grid_dependency_wait();
@@ -103,7 +87,7 @@ __global__ void __launch_bounds__(kCheckThreads)
       own != CallOp::kFailed && !same_signature(headers[peer], mine)) {
     const uint32_t sequence =
         (*reinterpret_cast<volatile uint32_t*>(&x.control->sequence) - 1u) & 0x7fffffffu;
-    record_header(x, mine, headers[peer], peer, sequence);
+    record_header(DeviceRecorder{}, x, mine, headers[peer], peer, sequence);
   }
 
   // NaN into every output (outputs_of, core/calls.h), spread over the grid.
@@ -132,12 +116,12 @@ __global__ void __launch_bounds__(kCheckThreads)
 
 void cuda_nccl_headers(const TeamState& team, const CallSignature& signature, cudaStream_t stream) {
   launch(nccl_header_kernel, 1, 32, 0, stream, team.exchange, signature,
-         reinterpret_cast<Vec16*>(team.nccl_headers));
+         reinterpret_cast<Vec16*>(cuda_state(team).nccl_headers));
 }
 
 void cuda_nccl_check(const TeamState& team, const CallOutputs& outputs, cudaStream_t stream) {
   launch(nccl_check_kernel, kCheckBlocks, kCheckThreads, 0, stream, team.exchange,
-         reinterpret_cast<const Vec16*>(team.nccl_headers), outputs);
+         reinterpret_cast<const Vec16*>(cuda_state(team).nccl_headers), outputs);
 }
 
 void cuda_preload_nccl_header_kernels() {

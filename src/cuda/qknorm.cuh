@@ -40,7 +40,7 @@
 #include <cstdlib>
 
 #include "core/calls.h"
-#include "core/error.h"
+#include "cuda/check.h"
 #include "cuda/device_ops.cuh"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -879,7 +879,7 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
           // tokens as resident blocks, the kernel that loads a token ahead (with fewer tokens a
           // block its larger register set, which fits fewer blocks, measured slower).
           const auto resident = [&](auto kernel) {
-            return team.multiprocessors *
+            return cuda_state(team).multiprocessors *
                    resident_blocks_per_multiprocessor(kernel, shape.threads, shared_bytes);
           };
           const auto run = [&](auto kernel) {
@@ -898,11 +898,11 @@ void QkKernels<T>::launch_fused(const TeamState& team, const QkCall& params, cud
                          : qk_rmsnorm_group_kernel<T, kWorld, kVecs, kRope, kGroup, false>;
             const size_t bytes = group_kernel_shared_bytes(params, kRope, prefetch, sizeof(T));
             const auto grid = [&] {
-              return int64_t(team.multiprocessors) *
+              return int64_t(cuda_state(team).multiprocessors) *
                      resident_blocks_per_multiprocessor(kernel, shape.threads, bytes);
             };
             if (shape.threads >= 32 * kGroup &&
-                takes_many_token_kernel(params.tokens, team.multiprocessors, grid)) {
+                takes_many_token_kernel(params.tokens, cuda_state(team).multiprocessors, grid)) {
               const int64_t groups = (params.tokens + kGroup - 1) / kGroup;
               return launch(kernel, int(std::min(groups, grid())), shape.threads, bytes, stream,
                             params);

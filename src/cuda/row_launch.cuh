@@ -25,7 +25,7 @@ namespace tpfuse::impl {
 template <typename Kernel>
 int collective_blocks(const TeamState& team, Kernel kernel, int threads, int64_t work) {
   const int resident =
-      team.multiprocessors * resident_blocks_per_multiprocessor(kernel, threads, 0);
+      cuda_state(team).multiprocessors * resident_blocks_per_multiprocessor(kernel, threads, 0);
   return int(std::max<int64_t>(1, std::min<int64_t>(work, resident)));
 }
 

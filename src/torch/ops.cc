@@ -34,6 +34,8 @@
 #endif
 
 #include "op_description.h"
+#include "tpfuse/cuda.h"
+#include "tpfuse/impl/enums.h"
 #include "tpfuse/tpfuse.h"
 #include "tpfuse/version.h"
 

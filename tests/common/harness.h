@@ -27,14 +27,14 @@ class Harness {
   virtual void download(int rank, void* destination, const void* source, size_t bytes) = 0;
   // Runs call(rank, stream) for every rank concurrently and waits for all of them (device work
   // included). Rethrows the first exception.
-  virtual void run(const std::function<void(int rank, cudaStream_t stream)>& call) = 0;
+  virtual void run(const std::function<void(int rank, Stream stream)>& call) = 0;
   // Queues call(rank, stream) on every rank without waiting for device work (CPU: same as run).
-  virtual void enqueue(const std::function<void(int rank, cudaStream_t stream)>& call) = 0;
+  virtual void enqueue(const std::function<void(int rank, Stream stream)>& call) = 0;
   virtual void synchronize() = 0;
   // Captures call(rank, stream) once on every rank, then replays it `replays` times: before(i)
   // runs on the host before replay i, after(i) once replay i has finished on every rank. The
   // CUDA harness captures a CUDA graph a rank and launches it; here the call runs each time.
-  virtual void replay(const std::function<void(int rank, cudaStream_t stream)>& call, int replays,
+  virtual void replay(const std::function<void(int rank, Stream stream)>& call, int replays,
                       const std::function<void(int replay)>& before,
                       const std::function<void(int replay)>& after) {
     for (int i = 0; i < replays; ++i) {
@@ -94,14 +94,14 @@ class CpuHarness : public Harness {
   void download(int, void* destination, const void* source, size_t bytes) override {
     std::memcpy(destination, source, bytes);
   }
-  void run(const std::function<void(int, cudaStream_t)>& call) override {
+  void run(const std::function<void(int, Stream)>& call) override {
     std::vector<std::thread> threads;
     std::exception_ptr first_error;
     std::mutex mutex;
     for (int rank = 0; rank < world_size(); ++rank) {
       threads.emplace_back([&, rank] {
         try {
-          call(rank, nullptr);
+          call(rank, Stream{});
         } catch (...) {
           std::lock_guard<std::mutex> lock(mutex);
           if (!first_error) first_error = std::current_exception();
@@ -111,7 +111,7 @@ class CpuHarness : public Harness {
     for (auto& thread : threads) thread.join();
     if (first_error) std::rethrow_exception(first_error);
   }
-  void enqueue(const std::function<void(int, cudaStream_t)>& call) override { run(call); }
+  void enqueue(const std::function<void(int, Stream)>& call) override { run(call); }
   void synchronize() override {}
 
  private:

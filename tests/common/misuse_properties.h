@@ -192,7 +192,7 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
                               : disagrees ? std::string(" disagrees in ") + difference.field
                                           : std::string(" good"));
     std::vector<std::string> errors(world);
-    harness.enqueue([&](int rank, cudaStream_t stream) {
+    harness.enqueue([&](int rank, Stream stream) {
       try {
         allreduce_add_rmsnorm(harness.team()[rank], args[rank], stream);
       } catch (const Error& error) {

@@ -107,7 +107,7 @@ class OneShotRunner {
     }
     std::vector<Algorithm> ran(specs.size());
     try {
-      harness_.enqueue([&](int rank, cudaStream_t stream) {
+      harness_.enqueue([&](int rank, Stream stream) {
         for (size_t c = 0; c < specs.size(); ++c) {
           const Algorithm algorithm = call(specs[c], buffers[c][rank], rank, stream);
           if (rank == 0) ran[c] = algorithm;
@@ -135,7 +135,7 @@ class OneShotRunner {
     std::vector<Algorithm> ran(size_t(harness_.world_size()));
     std::vector<CaseResult> results(data.size());
     harness_.replay(
-        [&](int rank, cudaStream_t stream) {
+        [&](int rank, Stream stream) {
           ran[size_t(rank)] = call(spec, buffers[size_t(rank)], rank, stream);
         },
         int(data.size()), [&](int i) { upload(spec, data[size_t(i)], buffers); },
@@ -280,7 +280,7 @@ class OneShotRunner {
     return b;
   }
 
-  Algorithm call(const CaseSpec& spec, const Buffers& b, int rank, cudaStream_t stream) {
+  Algorithm call(const CaseSpec& spec, const Buffers& b, int rank, Stream stream) {
     const Team& team = harness_.team()[rank];
     const Algorithm algorithm =
         spec.algorithm != Algorithm::kAuto ? spec.algorithm : harness_.algorithm;
@@ -758,7 +758,7 @@ inline void check_one_rank_team_is_local(Harness& harness, uint64_t seed) {
     args.dtype = spec.dtype;
     args.eps = spec.eps;
     args.norm_weight = spec.norm_weight;
-    harness.run([&](int, cudaStream_t stream) { add_rmsnorm(team.backend(), args, stream); });
+    harness.run([&](int, Stream stream) { add_rmsnorm(team.backend(), args, stream); });
     HostTensor local_norm(spec.dtype, count), local_residual(spec.dtype, count);
     harness.download(0, local_norm.data(), norm_out, bytes);
     harness.download(0, local_residual.data(), residual_out, bytes);

@@ -216,7 +216,7 @@ inline QkResult download_qk(Harness& h, const QkSpec& s, const QkData& d,
 // Runs one fused call on every rank of the harness (fresh buffers; outputs poisoned).
 inline QkResult run_qk(Harness& h, const QkSpec& s, const QkData& d) {
   const std::vector<QkBuffers> b = upload_qk(h, s, d);
-  h.run([&](int rank, cudaStream_t stream) {
+  h.run([&](int rank, Stream stream) {
     QkNormArgs args = qk_args(s, b[rank], d.max_position, h.world_size());
     args.algorithm = h.algorithm;
     const Algorithm ran = allreduce_qk_rmsnorm(h.team()[rank], args, stream);
@@ -400,7 +400,7 @@ inline void expect_halves_give_fused_bits(Harness& h, const QkSpec& s, const QkD
   std::vector<float> global(size_t(2 * s.tokens));
   std::vector<void*> sums(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) sums[r] = h.allocate(r, global.size() * 4);
-  h.run([&](int r, cudaStream_t stream) {
+  h.run([&](int r, Stream stream) {
     qk_sum_squares(backend, qk_args(s, b[r], d.max_position, world), r % s.kv_replicas == 0,
                    static_cast<float*>(sums[r]), stream);
   });
@@ -412,7 +412,7 @@ inline void expect_halves_give_fused_bits(Harness& h, const QkSpec& s, const QkD
     }
   }
   for (int r = 0; r < world; ++r) h.upload(r, sums[r], global.data(), global.size() * 4);
-  h.run([&](int r, cudaStream_t stream) {
+  h.run([&](int r, Stream stream) {
     qk_rmsnorm_from_sums(backend, qk_args(s, b[r], d.max_position, world),
                          static_cast<const float*>(sums[r]), stream);
   });

@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "tpfuse/cuda.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse {
@@ -351,7 +352,7 @@ TEST_F(Arguments, EmptyTeamHandleAndStreamOnCpu) {
   expect_error_naming([&] { Team{}.rank(); }, "empty");
   const std::string peer_error = against_good_peer([&] {
     expect_error_naming(
-        [&] { allreduce_add_rmsnorm(team_[0], args_, reinterpret_cast<cudaStream_t>(0x10)); },
+        [&] { allreduce_add_rmsnorm(team_[0], args_, Stream{reinterpret_cast<void*>(0x10)}); },
         "stream must be null for a CPU-backend team");
   });
   EXPECT_NE(peer_error.find("rank 0 rejected"), std::string::npos) << peer_error;

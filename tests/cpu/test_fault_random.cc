@@ -747,7 +747,7 @@ Outcome execute(const Team& team, const Call& c, int rank, int world, int bad, b
         default:
           break;
       }
-      allreduce(team, input, b.norm_out, count, dtype, nullptr, algorithm);
+      allreduce(team, input, b.norm_out, count, dtype, {}, algorithm);
     } else {
       QkNormArgs a = qk_args(b, c, data, world);
       switch (bad) {

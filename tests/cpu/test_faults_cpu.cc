@@ -69,7 +69,7 @@ TEST_P(RejectedCallKeepsCallsPaired, OnEveryPath) {
       std::vector<float> input(8, float(100 * (call + 1) * (r + 1) + call));
       std::fill(out[r].begin(), out[r].end(), -1.0f);
       const int64_t count = call == 1 && r == 1 ? 7 : 8;
-      allreduce(team[r], input.data(), out[r].data(), count, DType::kFloat32, nullptr,
+      allreduce(team[r], input.data(), out[r].data(), count, DType::kFloat32, {},
                 GetParam().algorithm);
     });
     const float sum = float(100 * (call + 1) * 3 + 2 * call);
@@ -290,7 +290,7 @@ TEST(LatePeer, IsRefusedNotGivenAnAbandonedCall) {
     std::vector<Team> team = create_cpu_team(2, options);
     const auto call = [&](int r, float value, std::vector<float>& out) {
       std::vector<float> input(1024, value);
-      allreduce(team[r], input.data(), out.data(), 1024, DType::kFloat32, nullptr, algorithm);
+      allreduce(team[r], input.data(), out.data(), 1024, DType::kFloat32, {}, algorithm);
     };
     std::vector<float> alone(1024, -1.0f);
     EXPECT_THROW(call(0, 1.0f, alone), Error);

@@ -251,8 +251,8 @@ class OneRankHarness : public CpuHarness {
  public:
   OneRankHarness(const Team& team, int world)
       : CpuHarness(one_rank_of(team, world)), rank_(team.rank()) {}
-  void run(const std::function<void(int, cudaStream_t)>& call) override { call(rank_, nullptr); }
-  void enqueue(const std::function<void(int, cudaStream_t)>& call) override { run(call); }
+  void run(const std::function<void(int, Stream)>& call) override { call(rank_, Stream{}); }
+  void enqueue(const std::function<void(int, Stream)>& call) override { run(call); }
 
  private:
   static std::vector<Team> one_rank_of(const Team& team, int world) {

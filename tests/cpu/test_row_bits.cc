@@ -233,7 +233,7 @@ void check_rows(CpuHarness& harness, const RowCase& c, Algorithm algorithm, uint
   });
 
   std::vector<RowOutputs> got(static_cast<size_t>(world));
-  harness.run([&](int rank, cudaStream_t) {
+  harness.run([&](int rank, Stream) {
     RowOutputs& out = got[size_t(rank)];
     out.residual_out.assign(bytes, 0x5a);
     out.norm_out.assign(bytes, 0x5a);
@@ -241,7 +241,7 @@ void check_rows(CpuHarness& harness, const RowCase& c, Algorithm algorithm, uint
     out.scales.assign(want.scales.size(), -1.0f);
     if (!c.norm) {
       allreduce(harness.team()[size_t(rank)], inputs[size_t(rank)].data(), out.norm_out.data(),
-                c.tokens * c.hidden, c.dtype, nullptr, algorithm);
+                c.tokens * c.hidden, c.dtype, {}, algorithm);
       return;
     }
     AddRmsNormArgs args;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "tpfuse/cuda.h"
 
 namespace tpfuse::testing {
 
@@ -68,14 +69,14 @@ class CudaHarness : public Harness {
                "download");
     check_cuda(cudaStreamSynchronize(streams_[rank]), "download sync");
   }
-  void run(const std::function<void(int, cudaStream_t)>& call) override {
+  void run(const std::function<void(int, Stream)>& call) override {
     enqueue(call);
     synchronize();
   }
   // A host thread per rank queues that rank's work, as a thread or process per GPU does in
   // serving (the NCCL path needs it: NCCL calls of several ranks from one thread must be
   // grouped). Rethrows the first exception.
-  void enqueue(const std::function<void(int, cudaStream_t)>& call) override {
+  void enqueue(const std::function<void(int, Stream)>& call) override {
     std::vector<std::thread> threads;
     std::exception_ptr first_error;
     std::mutex mutex;
@@ -83,7 +84,7 @@ class CudaHarness : public Harness {
       threads.emplace_back([&, r] {
         try {
           check_cuda(cudaSetDevice(devices_[r]), "cudaSetDevice");
-          call(r, streams_[r]);
+          call(r, cuda_stream(streams_[r]));
         } catch (...) {
           std::lock_guard<std::mutex> lock(mutex);
           if (!first_error) first_error = std::current_exception();
@@ -102,7 +103,7 @@ class CudaHarness : public Harness {
   }
   // Each rank's thread captures its calls into a CUDA graph (as a serving engine captures its
   // decode step), then every replay launches the graphs of all ranks.
-  void replay(const std::function<void(int, cudaStream_t)>& call, int replays,
+  void replay(const std::function<void(int, Stream)>& call, int replays,
               const std::function<void(int)>& before,
               const std::function<void(int)>& after) override {
     std::vector<cudaGraphExec_t> graphs(world_size(), nullptr);
@@ -112,11 +113,12 @@ class CudaHarness : public Harness {
       }
     };
     try {
-      enqueue([&](int rank, cudaStream_t stream) {
+      enqueue([&](int rank, Stream queue) {
+        const cudaStream_t stream = static_cast<cudaStream_t>(queue.handle);
         check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
         cudaGraph_t graph = nullptr;
         try {
-          call(rank, stream);
+          call(rank, queue);
         } catch (...) {
           cudaStreamEndCapture(stream, &graph);  // leaves the stream usable
           if (graph != nullptr) cudaGraphDestroy(graph);

@@ -27,6 +27,7 @@
 
 #include "oneshot_properties.h"
 #include "qknorm_properties.h"
+#include "tpfuse/cuda.h"
 
 extern char** environ;
 

@@ -209,12 +209,12 @@ class OneProcessHarness : public Harness {
                "download");
     check_cuda(cudaStreamSynchronize(stream_), "download sync");
   }
-  void run(const std::function<void(int, cudaStream_t)>& call) override {
+  void run(const std::function<void(int, Stream)>& call) override {
     enqueue(call);
     synchronize();
   }
-  void enqueue(const std::function<void(int, cudaStream_t)>& call) override {
-    call(rank_, stream_);
+  void enqueue(const std::function<void(int, Stream)>& call) override {
+    call(rank_, cuda_stream(stream_));
   }
   void synchronize() override {
     check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "core/calls.h"
-#include "core/team_state.h"
 #include "cuda/kernels.h"
+#include "cuda/team_state.h"
 #include "tpfuse/impl/session.h"
 #include "tpfuse/tpfuse.h"
 
@@ -46,7 +46,7 @@ class Ranks {
  public:
   explicit Ranks(int world) : world_(world), states_(world) {
     for (int r = 0; r < world; ++r) {
-      impl::TeamState& s = states_[r];
+      impl::CudaTeamState& s = states_[r];
       s.exchange.rank = r;
       s.exchange.world_size = world;
       s.device = 0;
@@ -71,7 +71,7 @@ class Ranks {
     }
   }
 
-  impl::TeamState& state(int r) { return states_[r]; }
+  impl::CudaTeamState& state(int r) { return states_[r]; }
   ErrorRecord& errors(int r) { return *states_[r].exchange.errors; }
   ControlBlock control(int r) {
     ControlBlock block{};
@@ -128,7 +128,7 @@ class Ranks {
     if (status != cudaSuccess) throw std::runtime_error(cudaGetErrorString(status));
   }
   int world_;
-  std::vector<impl::TeamState> states_;
+  std::vector<impl::CudaTeamState> states_;
   std::vector<unsigned char*> outputs_;
 };
 

@@ -414,7 +414,7 @@ TEST(GpuOneRankTeam, QkNormManyTokensBadPosition) {
         const std::string expected = "positions[" + std::to_string(bad_token) +
                                      "] = " + std::to_string(d.max_position + 3) + " is outside";
         try {
-          harness.run([&](int rank, cudaStream_t stream) {
+          harness.run([&](int rank, Stream stream) {
             allreduce_qk_rmsnorm(harness.team()[rank], qk_args(s, b[rank], d.max_position, 1),
                                  stream);
           });

@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda/team/teams.h"
 #include "cuda_harness.h"
 #include "misuse_properties.h"
 #include "oneshot_properties.h"
 #include "qknorm_properties.h"
-#include "team/teams.h"
 
 namespace tpfuse::testing {
 namespace {
@@ -40,7 +40,7 @@ class SharedDevice : public ::testing::TestWithParam<int> {
   // every rank, the others are not, and Team::check reports it once.
   void check_bad_position_call(int world, const std::vector<QkNormArgs>& args,
                                const std::vector<void*>& q_out, int64_t tokens, int64_t q_size) {
-    harness_->enqueue([&](int rank, cudaStream_t stream) {
+    harness_->enqueue([&](int rank, Stream stream) {
       allreduce_qk_rmsnorm(harness_->team()[rank], args[rank], stream);
     });
     for (int r = 0; r < world; ++r) {

@@ -28,6 +28,12 @@
 // A rank with nothing to send (a rejected call, or a call of zero tokens) still takes its turn
 // as an absent call: its header, a drain of what its peers' signatures say they sent it, and the
 // slot's clear and advance, so that its slot index stays in step with its peers'.
+//
+// Written once here too, at the end of this file: every wait of every backend is a bounded_wait
+// (the backend gives its clock, its loads, when to give up, and what a timeout records; the GPU's
+// packet poll in the hot kernels is the same loop written out, cuda/device_ops.cuh says why),
+// and what a differing header means is header_verdict, recorded by record_header through the
+// backend's Recorder (the GPU writes its error record; the CPU also keeps the call's own account).
 #pragma once
 
 #include <cstddef>
@@ -351,6 +357,81 @@ TPF_HOST_DEVICE SenderExtents sender_extents(const CallSignature& s, int sender,
       break;
   }
   return e;
+}
+
+// What a sender's header, once in, says of this rank's call (`mine`: the header this rank sent
+// for it):
+//   kNone          the same call: the sender's packets are this call's;
+//   kPeerRejected  the sender rejected its call and sends no packets: this call's waits on it end
+//                  with NaN, a per-call error (the team goes on);
+//   kPeerFailed    the sender's team had failed (CallOp::kFailed, the NCCL path's turn of a call
+//                  refused there): this rank's team fails too;
+//   kMismatch      anything else (another op, algorithm, dtype, shape, or call number): the
+//                  team fails, naming the peer and both headers.
+TPF_HOST_DEVICE CallError header_verdict(const Vec16& mine, const Vec16& theirs) {
+  if (same_signature(theirs, mine)) return CallError::kNone;
+  switch (CallSignature{theirs}.op()) {
+    case CallOp::kRejected:
+      return CallError::kPeerRejected;
+    case CallOp::kFailed:
+      return CallError::kPeerFailed;
+    default:
+      return CallError::kMismatch;
+  }
+}
+
+// Records what a sender's header means (header_verdict), and returns it. The backend's Recorder
+// writes it: recorder.on_rejection(x, sender) for a per-call rejection, and
+// recorder.on_failure(x, kind, sender, mine, theirs, sequence) for a failure of the team (kMismatch
+// with both headers; kPeerFailed with what the sender's header says as the failure mark it would
+// have stored). `sequence`: this call's number where the caller knows it. (The GPU's fused
+// kernels record header_verdict's two verdicts they can meet themselves: cuda/device_ops.cuh.)
+template <typename Recorder>
+TPF_HOST_DEVICE CallError record_header(Recorder&& recorder, const Exchange& x, const Vec16& mine,
+                                        const Vec16& theirs, int sender,
+                                        uint32_t sequence = kUnknownSequence) {
+  const CallError verdict = header_verdict(mine, theirs);
+  if (verdict == CallError::kPeerRejected) {
+    recorder.on_rejection(x, sender);
+  } else if (verdict == CallError::kPeerFailed) {
+    const Vec16 mark =
+        failure_mark(CallError(theirs.word[1]), sender, int(theirs.word[2]), kUnknownSequence);
+    recorder.on_failure(x, CallError::kPeerFailed, sender, Vec16{}, mark, sequence);
+  } else if (verdict == CallError::kMismatch) {
+    recorder.on_failure(x, CallError::kMismatch, sender, mine, theirs, sequence);
+  }
+  return verdict;
+}
+
+// A bounded wait, the one every wait of the protocol takes: reads `load()` until every word of
+// what it returns holds data (has_arrived), and every Clock::kCheckEvery reads (never on the path
+// of a vector already in) asks `stop()` whether to give up (a differing header, a failure of the
+// team: the caller's test) and then whether `timeout_ns` (0: never) has passed since the first of
+// these checks (Clock::now_ns), where it calls `on_timeout(last vector read)` and gives up.
+// Clock::pause(reads) comes between reads (the CPU yields its core after a while, the GPU spins).
+// Returns whether the vector arrived, in `v`. The timeout is read by reference, where the check
+// needs it (on the GPU a kernel parameter, which then holds no register across the wait). The
+// GPU's packet poll in the fused kernels' receive loops is this loop written out: there even an
+// inlined predicate cost registers (cuda/device_ops.cuh, wait_for_packet).
+template <typename Clock, typename Load, typename Stop, typename OnTimeout>
+TPF_HOST_DEVICE bool bounded_wait(const uint64_t& timeout_ns, Load&& load, Stop&& stop,
+                                  OnTimeout&& on_timeout, Vec16& v) {
+  uint64_t deadline = 0;
+  for (uint32_t reads = 1;; ++reads) {
+    v = load();
+    if (has_arrived(v)) return true;
+    Clock::pause(reads);
+    if (reads % Clock::kCheckEvery != 0) continue;
+    if (stop()) return false;
+    if (timeout_ns == 0) continue;
+    const uint64_t now = Clock::now_ns();
+    if (deadline == 0) {
+      deadline = now + timeout_ns;
+    } else if (now > deadline) {
+      on_timeout(v);
+      return false;
+    }
+  }
 }
 
 }  // namespace tpfuse::impl

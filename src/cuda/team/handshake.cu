@@ -1,10 +1,10 @@
-// The creation handshake (team/handshake.h).
+// The creation handshake (cuda/team/handshake.h).
 #include <cstdlib>
 #include <sstream>
 
-#include "core/error.h"
+#include "cuda/check.h"
 #include "cuda/device_ops.cuh"
-#include "team/handshake.h"
+#include "cuda/team/handshake.h"
 
 namespace tpfuse::impl {
 namespace {

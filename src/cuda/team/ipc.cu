@@ -1,8 +1,8 @@
-// CUDA IPC peer memory (team/ipc.h).
+// CUDA IPC peer memory (cuda/team/ipc.h).
 #include <string>
 
-#include "core/error.h"
-#include "team/ipc.h"
+#include "cuda/check.h"
+#include "cuda/team/ipc.h"
 
 namespace tpfuse::impl {
 

@@ -1,5 +1,5 @@
 // CUDA teams of one rank per process on this host, made without NCCL: create_cuda_team(id, rank,
-// world_size, device). Peer memory is CUDA IPC (team/ipc.h, as create_nccl_team's kCudaIpc);
+// world_size, device). Peer memory is CUDA IPC (cuda/team/ipc.h, as create_nccl_team's kCudaIpc);
 // several processes may share one device, which is what lets the faults between processes be
 // tested on one GPU.
 //
@@ -15,7 +15,7 @@
 //   2. each rank checks P2P between its device and each peer's (ranks on one device need none)
 //      and opens the peers' handles; the round is also the barrier after which every workspace
 //      holds the sentinel, so no handshake store can be overwritten by a late fill.
-//   3. the store-then-poll handshake's arrival masks (team/handshake.h): the same verdict on
+//   3. the store-then-poll handshake's arrival masks (cuda/team/handshake.h): the same verdict on
 //      every rank. A failure is an error here: this team has no NCCL to fall back on.
 // A rank's own failure inside a step travels in its next record, so its peers throw naming it
 // at once instead of timing out in the next exchange.
@@ -36,13 +36,12 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/error.h"
-#include "core/team_state.h"
+#include "cuda/check.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
-#include "team/handshake.h"
-#include "team/ipc.h"
-#include "team/teams.h"
+#include "cuda/team/handshake.h"
+#include "cuda/team/ipc.h"
+#include "cuda/team_state.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
@@ -117,7 +116,7 @@ std::vector<Record> all_gather(const Team& bootstrap, const Record& mine, const 
   const auto* bytes = reinterpret_cast<const unsigned char*>(&mine);
   for (size_t i = 0; i < kBytes; ++i) in[size_t(rank) * kBytes + i] = float(bytes[i]);
   try {
-    allreduce(bootstrap, in.data(), out.data(), int64_t(in.size()), DType::kFloat32, nullptr,
+    allreduce(bootstrap, in.data(), out.data(), int64_t(in.size()), DType::kFloat32, Stream{},
               Algorithm::kOneShot);
   } catch (const Error& error) {
     TPF_FAIL(kOp << ": rank " << rank << ": the exchange of " << what
@@ -317,8 +316,8 @@ Team create_ipc_process_team(const CpuTeamId& id, int rank, int world_size, int 
     }
   }
 
-  auto state = new_team_state(cuda_backend_ops(), rank, world_size, options, properties.name, "",
-                              "cuda ipc");
+  auto state = new_team_state<CudaTeamState>(cuda_backend(), rank, world_size, options,
+                                             properties.name, "", "cuda ipc");
   for (int r = 0; r < world_size; ++r) state->exchange.workspace[r] = workspace[r];
   state->exchange.control = static_cast<ControlBlock*>(memory->control);
   state->exchange.errors = reinterpret_cast<ErrorRecord*>(memory->host_flags);
@@ -340,4 +339,10 @@ Team create_ipc_process_team(const CpuTeamId& id, int rank, int world_size, int 
 }
 
 }  // namespace impl
+
+Team create_cuda_team(const CpuTeamId& id, int rank, int world_size, int device,
+                      const TeamOptions& options) {
+  return impl::create_ipc_process_team(id, rank, world_size, device, options);
+}
+
 }  // namespace tpfuse

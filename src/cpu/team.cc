@@ -1,4 +1,4 @@
-// CPU-backend teams: every rank's workspace and control block in host memory of this process.
+// CPU-backend teams of one process: every rank's workspace and control block in its host memory.
 #include <array>
 #include <cstdlib>
 #include <memory>
@@ -8,6 +8,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/team_state.h"
+#include "cpu/kernels.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {

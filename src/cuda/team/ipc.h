@@ -1,6 +1,6 @@
 // CUDA IPC peer memory for teams whose ranks are processes: create_nccl_team's kCudaIpc (handles
-// all-gathered over NCCL, team/nccl_team.cu) and create_cuda_team(id, ...) (over a CPU team,
-// team/ipc_team.cu). A rank exports its workspace as a handle; each rank opens its peers'
+// all-gathered over NCCL, cuda/team/nccl_team.cu) and create_cuda_team(id, ...) (over a CPU team,
+// cuda/team/ipc_team.cu). A rank exports its workspace as a handle; each rank opens its peers'
 // handles into its own address space. How the handles travel is the caller's.
 #pragma once
 

@@ -10,10 +10,10 @@
 //     communicator.
 //   * CUDA IPC (kCudaIpc, or kAuto where windows are missing): cudaMalloc +
 //     cudaIpcGetMemHandle, handles all-gathered over NCCL, cudaIpcOpenMemHandle on each peer's
-//     (team/ipc.h, shared with the teams made without NCCL). Works with any NCCL; needs P2P
+//     (cuda/team/ipc.h, shared with the teams made without NCCL). Works with any NCCL; needs P2P
 //     between every pair.
-// Either way the team then runs the store-then-poll handshake (team/handshake.h); if it fails, or
-// if NCCL's LSA team does not hold every rank (another host), every op takes the NCCL path.
+// Either way the team then runs the store-then-poll handshake (cuda/team/handshake.h); if it fails,
+// or if NCCL's LSA team does not hold every rank (another host), every op takes the NCCL path.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -31,13 +31,14 @@
 #endif
 
 #include "core/backend.h"
-#include "core/error.h"
-#include "core/team_state.h"
+#include "cuda/check.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
-#include "team/handshake.h"
-#include "team/ipc.h"
-#include "team/teams.h"
+#include "cuda/team/handshake.h"
+#include "cuda/team/ipc.h"
+#include "cuda/team/teams.h"
+#include "cuda/team_state.h"
+#include "tpfuse/cuda.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
@@ -250,8 +251,8 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
 
   cudaDeviceProp properties{};
   TPF_CHECK_CUDA(cudaGetDeviceProperties(&properties, device));
-  auto state = new_team_state(cuda_backend_ops(), rank, world, options, properties.name, reason,
-                              reason.empty() ? peer_memory : "none");
+  auto state = new_team_state<CudaTeamState>(cuda_backend(), rank, world, options, properties.name,
+                                             reason, reason.empty() ? peer_memory : "none");
   // A team without proven peer stores has no workspace to store into (nccl_headers.cu).
   for (int r = 0; r < world; ++r)
     state->exchange.workspace[r] = reason.empty() ? workspace[r] : nullptr;
@@ -268,8 +269,27 @@ Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& o
   return Team(std::move(state));
 }
 
-Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,
-                              const TeamOptions& options) {
+}  // namespace impl
+
+bool nccl_available() {
+  return true;
+}
+
+UniqueId create_unique_id() {
+  static_assert(sizeof(ncclUniqueId) == sizeof(UniqueId), "UniqueId must hold an ncclUniqueId");
+  ncclUniqueId id;
+  TPF_CHECK_NCCL(ncclGetUniqueId(&id));
+  UniqueId out;
+  std::memcpy(out.bytes, id.internal, sizeof(out.bytes));
+  return out;
+}
+
+Team create_nccl_team(ncclComm_t comm, const TeamOptions& options) {
+  return impl::create_team_over_nccl(comm, false, options);
+}
+
+Team create_nccl_team(const UniqueId& id, int rank, int world_size, int device,
+                      const TeamOptions& options) {
   const char* op = "create_nccl_team";
   TPF_CHECK_ARG(world_size >= 1 && world_size <= kMaxWorldSize, op,
                 "world_size must be in [1, " << kMaxWorldSize << "], got " << world_size);
@@ -278,18 +298,17 @@ Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int 
   const int count = cuda_device_count();
   TPF_CHECK_ARG(device >= 0 && device < count, op,
                 "device " << device << " but this process sees " << count << " CUDA device(s)");
-  DeviceGuard guard(device);
+  impl::DeviceGuard guard(device);
   ncclUniqueId nccl_id;
   std::memcpy(nccl_id.internal, id.bytes, sizeof(id.bytes));
   ncclComm_t comm = nullptr;
   TPF_CHECK_NCCL(ncclCommInitRank(&comm, world_size, nccl_id, rank));
   try {
-    return create_team_over_nccl(comm, true, options);
+    return impl::create_team_over_nccl(comm, true, options);
   } catch (...) {
     ncclCommDestroy(comm);
     throw;
   }
 }
 
-}  // namespace impl
 }  // namespace tpfuse

@@ -1,9 +1,10 @@
-// Team creation entry points of the CUDA builds (src/team/*.cu), reached through the tables of
-// core/backend.h.
+// The CUDA teams' creation inside the library (src/cuda/team/): the public create_cuda_team and
+// create_nccl_team forms go through these, and the tests reach what the public ones do not offer.
 #pragma once
 
 #include <vector>
 
+#include "tpfuse/cuda.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
@@ -16,10 +17,8 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
                                               bool shared_devices = false);
 // Over a communicator the caller owns (owns_comm false) or the team owns (destroyed with it).
 Team create_team_over_nccl(ncclComm_t comm, bool owns_comm, const TeamOptions& options);
-// One rank per process over CUDA IPC, no NCCL (create_cuda_team(id, ...); team/ipc_team.cu).
+// One rank per process over CUDA IPC, no NCCL (create_cuda_team(id, ...); cuda/team/ipc_team.cu).
 Team create_ipc_process_team(const CpuTeamId& id, int rank, int world_size, int device,
                              const TeamOptions& options);
-Team create_team_from_nccl_id(const UniqueId& id, int rank, int world_size, int device,
-                              const TeamOptions& options);
 
 }  // namespace tpfuse::impl

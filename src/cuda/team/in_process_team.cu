@@ -11,11 +11,11 @@
 #include <vector>
 
 #include "core/backend.h"
-#include "core/error.h"
-#include "core/team_state.h"
+#include "cuda/check.h"
 #include "cuda/kernels.h"
-#include "team/handshake.h"
-#include "team/teams.h"
+#include "cuda/team/handshake.h"
+#include "cuda/team/teams.h"
+#include "cuda/team_state.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
@@ -206,9 +206,9 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
 
   std::vector<Team> team;
   for (int r = 0; r < world_size; ++r) {
-    auto state =
-        new_team_state(cuda_backend_ops(), r, world_size, options, device_name, fallback_reason,
-                       fallback_reason.empty() ? "cuda peer access" : "none");
+    auto state = new_team_state<CudaTeamState>(
+        cuda_backend(), r, world_size, options, device_name, fallback_reason,
+        fallback_reason.empty() ? "cuda peer access" : "none");
     // A team without proven peer stores has no workspace to store into (nccl_headers.cu).
     for (int p = 0; p < world_size; ++p) {
       state->exchange.workspace[p] = fallback_reason.empty() ? workspace[p] : nullptr;
@@ -227,27 +227,18 @@ std::vector<Team> create_in_process_cuda_team(const std::vector<int>& devices,
   return team;
 }
 
-namespace {
+}  // namespace impl
 
-class CudaTeamFactory final : public CudaTeams {
- public:
-  int device_count() const override { return visible_devices(); }
-  std::vector<Team> in_process(const std::vector<int>& devices,
-                               const TeamOptions& options) const override {
-    return create_in_process_cuda_team(devices, options);
-  }
-  Team process_team(const CpuTeamId& id, int rank, int world_size, int device,
-                    const TeamOptions& options) const override {
-    return create_ipc_process_team(id, rank, world_size, device, options);
-  }
-};
-
-}  // namespace
-
-const CudaTeams& cuda_team_factory() {
-  static const CudaTeamFactory teams;
-  return teams;
+bool cuda_available() {
+  return true;
 }
 
-}  // namespace impl
+int cuda_device_count() {
+  return impl::visible_devices();
+}
+
+std::vector<Team> create_cuda_team(const std::vector<int>& devices, const TeamOptions& options) {
+  return impl::create_in_process_cuda_team(devices, options);
+}
+
 }  // namespace tpfuse

@@ -51,6 +51,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/team_state.h"
+#include "cpu/kernels.h"
 #include "tpfuse/impl/lamport.h"
 
 namespace tpfuse {
