@@ -91,7 +91,6 @@ COMPILED_MODES = ("tpfuse_compiled", "compiled", "inductor")
 # post-MoE norm (the next layer's qkv input), each quantized per token group of 128.
 FP8_SITES_PER_LAYER = 2
 FP8_STAT = "allreduce_add_rmsnorm_fp8_group128"
-QUANT_GROUP_128 = 3  # tpfuse.Quant.PER_TOKEN_GROUP_128
 # The peer timeout of the multi-rank teams here: every rank compiles before its first call in a
 # compiled graph, and on a loaded machine (the CPU tests on 2 shared cores) one rank may get there
 # tens of seconds after another. A compiling peer is not a dead one.
@@ -223,6 +222,9 @@ class Tpfuse(_Gather, Collectives):
         import tpfuse
 
         self.ops, self.team = tpfuse, team
+        # The quant mode as a plain int, read once here: dynamo does not trace the wrappers'
+        # lookup of the enum.
+        self.group128 = int(tpfuse.Quant.PER_TOKEN_GROUP_128)
 
     def add_rms_norm(self, partial, residual, weight, eps):
         return self.ops.allreduce_add_rmsnorm(self.team, partial, residual, weight, eps)
@@ -237,11 +239,11 @@ class Tpfuse(_Gather, Collectives):
     # lookup of the quant mode (a dict built from the enum).
     def add_rms_norm_fp8(self, partial, residual, weight, eps):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(
-            self.team.handle, partial, residual, weight, eps, QUANT_GROUP_128, None, True, 0, 0)
+            self.team.handle, partial, residual, weight, eps, self.group128, None, True, 0, 0)
 
     def moe_add_rms_norm_fp8(self, rows, weights, residual, weight, eps):
         return torch.ops.tpfuse.allreduce_moe_finalize_add_rmsnorm_fp8(
-            self.team.handle, rows, weights, residual, weight, eps, QUANT_GROUP_128, None, True,
+            self.team.handle, rows, weights, residual, weight, eps, self.group128, None, True,
             None, 0)
 
     def qk_norm_rope(self, qkv, w, positions, cos_sin, config, local, world):
