@@ -332,6 +332,40 @@ void check_row_results(Algorithm algorithm, uint64_t seed) {
   }
 }
 
+// The QK norm's cases in order, one process per rank of a team on GPU 0: every rank's q and k of
+// each case (empty if a rank did not return: the failure is already recorded).
+std::vector<QkResult> run_qk_in_processes(int world, const std::vector<QkSpec>& specs,
+                                          const std::vector<QkData>& data) {
+  size_t per_rank = 0;
+  for (const QkSpec& s : specs) {
+    per_rank += size_t(s.tokens * (s.q_size() + s.kv_size())) * dtype_size(s.dtype);
+  }
+  Board board(world, per_rank);
+  const CpuTeamId id = create_cpu_team_id();
+  expect_all_ranks_returned(run_ranks(board, [&](int rank) {
+    OneProcessHarness harness(join(id, rank, world), world);
+    harness.algorithm = Algorithm::kOneShot;
+    char* at = board.results(rank);
+    for (size_t c = 0; c < specs.size(); ++c) {
+      const QkResult result = run_qk(harness, specs[c], data[c]);
+      put(at, result.q[size_t(rank)]);
+      put(at, result.k[size_t(rank)]);
+    }
+  }));
+  if (::testing::Test::HasFailure()) return {};
+  std::vector<const char*> at;
+  for (int r = 0; r < world; ++r) at.push_back(board.results(r));
+  std::vector<QkResult> results(specs.size());
+  for (size_t c = 0; c < specs.size(); ++c) {
+    const QkSpec& s = specs[c];
+    for (int r = 0; r < world; ++r) {
+      results[c].q.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.q_size())));
+      results[c].k.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.kv_size())));
+    }
+  }
+  return results;
+}
+
 class OneGpuProcesses : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -355,38 +389,15 @@ TEST_F(OneGpuProcesses, QkNormMatchesFloat64OnEveryRank) {
     std::mt19937_64 rng(43000 + uint64_t(world));
     std::vector<QkSpec> specs;
     std::vector<QkData> data;
-    size_t per_rank = 0;
     for (int c = 0; c < 10; ++c) {
       QkSpec s = random_qk_spec(rng, world);
       s.tokens = std::min<int64_t>(s.tokens, 8);
       data.push_back(random_qk_data(rng, s, world));
       specs.push_back(s);
-      per_rank += size_t(s.tokens * (s.q_size() + s.kv_size())) * dtype_size(s.dtype);
     }
-    Board board(world, per_rank);
-    const CpuTeamId id = create_cpu_team_id();
-    expect_all_ranks_returned(run_ranks(board, [&](int rank) {
-      OneProcessHarness harness(join(id, rank, world), world);
-      harness.algorithm = Algorithm::kOneShot;
-      char* at = board.results(rank);
-      for (size_t c = 0; c < specs.size(); ++c) {
-        const QkResult result = run_qk(harness, specs[c], data[c]);
-        put(at, result.q[size_t(rank)]);
-        put(at, result.k[size_t(rank)]);
-      }
-    }));
-    if (::testing::Test::HasFailure()) return;
-    std::vector<const char*> at;
-    for (int r = 0; r < world; ++r) at.push_back(board.results(r));
-    for (size_t c = 0; c < specs.size(); ++c) {
-      const QkSpec& s = specs[c];
-      QkResult result;
-      for (int r = 0; r < world; ++r) {
-        result.q.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.q_size())));
-        result.k.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.kv_size())));
-      }
-      expect_qk_correct(s, data[c], result, world);
-    }
+    const std::vector<QkResult> results = run_qk_in_processes(world, specs, data);
+    for (size_t c = 0; c < results.size(); ++c)
+      expect_qk_correct(specs[c], data[c], results[c], world);
   }
 }
 
@@ -397,33 +408,15 @@ TEST_F(OneGpuProcesses, QkNormGivesIdenticalBitsOnEveryRank) {
   std::mt19937_64 rng(44000);
   std::vector<QkSpec> specs;
   std::vector<QkData> data;
-  size_t per_rank = 0;
   for (const RopeStyle rope : {RopeStyle::kNone, RopeStyle::kNeox}) {
     QkSpec s = minimax_qk_spec(world, DType::kBFloat16, rope, 5);
     data.push_back(random_qk_data(rng, s, world, /*identical_ranks=*/true));
     specs.push_back(s);
-    per_rank += size_t(s.tokens * (s.q_size() + s.kv_size())) * dtype_size(s.dtype);
   }
-  Board board(world, per_rank);
-  const CpuTeamId id = create_cpu_team_id();
-  expect_all_ranks_returned(run_ranks(board, [&](int rank) {
-    OneProcessHarness harness(join(id, rank, world), world);
-    harness.algorithm = Algorithm::kOneShot;
-    char* at = board.results(rank);
-    for (size_t c = 0; c < specs.size(); ++c) {
-      const QkResult result = run_qk(harness, specs[c], data[c]);
-      put(at, result.q[size_t(rank)]);
-      put(at, result.k[size_t(rank)]);
-    }
-  }));
-  std::vector<const char*> at = {board.results(0), board.results(1)};
-  for (size_t c = 0; c < specs.size(); ++c) {
+  const std::vector<QkResult> results = run_qk_in_processes(world, specs, data);
+  for (size_t c = 0; c < results.size(); ++c) {
     const QkSpec& s = specs[c];
-    QkResult result;
-    for (int r = 0; r < world; ++r) {
-      result.q.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.q_size())));
-      result.k.push_back(take(at[size_t(r)], s.dtype, size_t(s.tokens * s.kv_size())));
-    }
+    const QkResult& result = results[c];
     expect_qk_correct(s, data[c], result, world);
     EXPECT_TRUE(result.q[0].bytes == result.q[1].bytes) << describe(s) << ": q differs by rank";
     EXPECT_TRUE(result.k[0].bytes == result.k[1].bytes) << describe(s) << ": k differs by rank";
