@@ -322,7 +322,13 @@ void take_rejected_turn(const TeamState& state, Algorithm requested, int64_t tok
                            hidden % kHiddenMultiple == 0 && is_known(dtype);
   Algorithm algorithm = requested;
   if (requested == Algorithm::kAuto && shape_valid && state.world_size() > 1) {
-    algorithm = choose_algorithm(state, tokens, hidden, dtype, requested, op);
+    try {
+      algorithm = choose_algorithm(state, tokens, hidden, dtype, requested, op);
+    } catch (const Error&) {
+      // This shape fits no path of the team (one without NCCL): a peer whose call does fit runs
+      // it fused, where the absent turn below reaches it. Throwing here instead would leave the
+      // turn untaken and that peer waiting out its timeout.
+    }
   }
   if (!turn_reaches(state, algorithm)) {
     // CUDA's NCCL path: the turn needs the call's count, which only a well-formed shape gives.
