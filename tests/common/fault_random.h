@@ -916,6 +916,11 @@ class TeamSource {
   virtual std::atomic<int>& stop_before() = 0;
   // Where this rank's buffers go (the host's, unless the backend has its own).
   virtual Memory& memory() { return host_; }
+  // After each collective call of the rank, whatever its outcome. A backend whose calls report
+  // their errors in Team::check() after them (CUDA) waits here for every rank, so that a check
+  // reports that call and never a peer's next one (which may fail the team first); the CPU's
+  // calls throw their own errors, and its ranks run up to a call apart.
+  virtual void after_call() {}
 
  private:
   Memory host_;
@@ -1017,12 +1022,15 @@ inline void run_rank(const Sequence& s, int rank, TeamSource& source,
         make(config, step.timeout, team);
         for (int i = 0; i < step.warmup; ++i) {
           record(execute(team, step.call, rank, s.world, -1, false, 0, source.memory()));
+          source.after_call();
         }
         const bool late = rank == step.fault_rank % s.world;
         record(execute(team, step.call, rank, s.world, -1, false, late ? 3 * step.timeout : 0,
                        source.memory()));
+        source.after_call();
         record(check_outcome(team));
         record(probe(team, rank, source.memory()));
+        source.after_call();
         make(config, kLongTimeout, team);
         break;
       }
@@ -1037,11 +1045,13 @@ inline void run_rank(const Sequence& s, int rank, TeamSource& source,
                                         reject, 0, source.memory());
         note_timeout(outcome, position);
         record(outcome);
+        source.after_call();
         if (step.fault == Fault::kDisagree) {
           record(check_outcome(team));
           const Outcome next = probe(team, rank, source.memory());
           note_timeout(next, position);
           record(next);
+          source.after_call();
           make(config, kLongTimeout, team);
         }
         break;

@@ -7,6 +7,9 @@
 //     to a device arena of the rank, the call queued on the rank's stream, the stream
 //     synchronized, Team::check() asked (where a CUDA team reports a peer's rejection, a
 //     disagreement or a timeout), then the outputs copied back and judged as the CPU's are;
+//   - the ranks meet (a barrier) after every call, so that a rank's check reports its call and
+//     never the next one of a faster peer (a disagreement there fails the team for every rank
+//     at once); the CPU's ranks, whose calls throw their own errors, run up to a call apart;
 //   - the reference: the GPU's own local ops (add_rmsnorm, qk_sum_squares and
 //     qk_rmsnorm_from_sums with Backend::kCuda on the exact sums: the inputs are small integers),
 //     not the host's, whose norm may differ from the GPU's in the last bit (rsqrtf). They run in
@@ -163,6 +166,7 @@ class OneGpuTeams : public ProcessTeams {
     return create_cuda_team(shared_->ids()[index], rank, world_, kDevice, options);
   }
   Memory& memory() override { return memory_; }
+  void after_call() override { shared_->barrier.wait(world_); }
 
  private:
   GpuMemory memory_;
