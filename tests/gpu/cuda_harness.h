@@ -4,8 +4,11 @@
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -160,6 +163,26 @@ class CudaHarness : public Harness {
 
 inline int gpus() {
   return std::min(cuda_device_count(), 8);
+}
+
+// How many GPUs there are, asked in a forked child so that this process never initializes CUDA
+// (tests that fork ranks must not have: a process that has initialized CUDA cannot hand it to a
+// forked child).
+inline int gpus_seen_by_a_child() {
+  static int count = -1;
+  if (count >= 0) return count;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::alarm(60);
+    ::_exit(std::min(cuda_device_count(), 100));
+  }
+  int status = 0;
+  count = child > 0 && ::waitpid(child, &status, 0) == child && WIFEXITED(status)
+              ? WEXITSTATUS(status)
+              : 0;
+  return count;
 }
 
 // Tests that need a team of at least two GPUs report themselves skipped with fewer.

@@ -69,24 +69,6 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-// How many GPUs there are, asked in a child so that this process never initializes CUDA.
-int gpus_seen_by_a_child() {
-  static int count = -1;
-  if (count >= 0) return count;
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::alarm(60);
-    ::_exit(std::min(cuda_device_count(), 100));
-  }
-  int status = 0;
-  count = child > 0 && ::waitpid(child, &status, 0) == child && WIFEXITED(status)
-              ? WEXITSTATUS(status)
-              : 0;
-  return count;
-}
-
 // Memory every forked rank shares with the test: per rank a message (what it threw, or "") and
 // a results area, and flags the ranks signal each other with. Anonymous, made before the fork.
 class Board {
