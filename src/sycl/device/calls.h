@@ -1,0 +1,36 @@
+// The parameters of the SYCL backend's kernels, passed by value (src/sycl/device/rows.h): the
+// host side (src/sycl/backend.cc) fills them from the core's RowCall, the device side reads
+// them. Host and device code, no SYCL header: embedded as "tpfuse/sycl/calls.h".
+#pragma once
+
+#include <cstdint>
+
+#include "tpfuse/impl/lamport.h"
+#include "tpfuse/impl/session.h"
+
+namespace tpfuse::impl {
+
+// One row call: a one-shot collective (exchange used), or the epilogue alone on one rank (local).
+struct SyclRowCall {
+  Exchange exchange;
+  CallSignature signature;  // without the call number: the kernel folds its own in
+  const void* input;
+  const void* residual;
+  const void* gamma;
+  void* residual_out;
+  void* norm_out;  // a plain sum's output; with a norm, the rounded row is staged here first
+  int64_t tokens;
+  int64_t hidden;
+  float eps;
+  int local;           // 1: no exchange (add_rmsnorm, a one-rank team)
+  uint64_t max_looks;  // the waits' bound: looks at a vector (0: none), calibrated per team
+};
+
+// An absent call (session.h): this rank's turn without data.
+struct SyclAbsentCall {
+  Exchange exchange;
+  CallSignature signature;
+  uint64_t max_looks;
+};
+
+}  // namespace tpfuse::impl

@@ -1,0 +1,368 @@
+// The SYCL backend's kernels, compiled at run time by the kernel compiler (src/sycl/compiler.h)
+// from this file and the headers it includes, all embedded in the library (this one as
+// "tpfuse/sycl/rows.h"): the one-shot row collective (allreduce, allreduce_add_rmsnorm with gamma
+// or 1 + gamma), its local form, the absent call, and the calibration of the waits' bound.
+//
+// A call is one work-group: the rank's one participant of the Lamport session (session.h, with
+// tpfuse/sycl/exchange.h's WorkGroupCoop), its work-items spreading the sends, the clear, the
+// receives and the epilogue. One work-group, because a rank's work-groups poll their peers' and
+// all of them must run at once: on Intel's OpenCL CPU device a work-group holds a core until it
+// ends, and more spinning work-groups than compute units wait for a peer that never gets one
+// (create_sycl_team refuses such teams). The steps, in order:
+//   1. work-item 0 reads the call state (read_call_state); the group takes it by broadcast. A
+//      failed team sends nothing and returns (its peers time out: every rank reports it);
+//   2. send: work-item r stores the call's header (its signature with the call number folded in,
+//      sequenced_signature) into rank r; then every packet of the input, sentinel words
+//      rewritten, into every peer's slot;
+//   3. arrive (work-item 0: the only participant) and clear the previous call's slot. A rank's
+//      next call starts only once this one has ended (its queue is in order: validate_call);
+//   4. per token: each work-item sums its vectors over the ranks in rank order in fp32 (its own
+//      from its input), polling its peers' packets (wait_packet: a differing header, a failure of
+//      the team or the bound end the wait with NaN), and rounds them once (+ residual) into the
+//      output; with a norm, the rounded row is staged in norm_out, work-item 0 sums its squares in
+//      element order (the CPU backend's order: the same bits), and every work-item normalizes;
+//   5. work-item r checks rank r's header (record_header: a rejection, a disagreement).
+// Memory ordering: every protocol word goes through exchange.h's release stores and acquire
+// loads. The staging in norm_out is read across work-items only after a group barrier (or the
+// broadcast that follows it), whose fence orders the group's global memory.
+//
+// Waits are bounded by a count of looks, not a clock (standard SYCL has none): max_looks comes
+// from TeamOptions::peer_timeout_seconds and a rate measured when the team was made
+// (tpf_sycl_calibrate, src/sycl/team.cc).
+#pragma once
+
+#include <sycl/sycl.hpp>
+
+#include <cstdint>
+
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+#include "tpfuse/impl/numeric.h"
+#include "tpfuse/impl/session.h"
+#include "tpfuse/sycl/calls.h"
+#include "tpfuse/sycl/exchange.h"
+
+namespace tpfuse::impl::sycl_device {
+
+// Looks at a vector between two checks of the slow path (the header, the error word, the mark,
+// the bound).
+constexpr uint64_t kCheckEvery = 64;
+
+// A failure of the team seen by this rank (kTimeout, kMismatch, or kPeerFailed from a header):
+// the first claims the control block's error word, fills the error record (host memory: the
+// details, then the kind with release) and, for a failure of its own, stores its mark into every
+// rank's workspace.
+inline void record_team_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
+                                const Vec16& theirs, uint32_t sequence) {
+  uint32_t expected = 0;
+  if (!ProtocolAtomic<uint32_t>(x.control->error)
+           .compare_exchange_strong(expected, uint32_t(1 + peer), sycl::memory_order::acq_rel)) {
+    return;
+  }
+  x.errors->failure_peer = uint32_t(peer);
+  x.errors->sequence = sequence;
+  x.errors->mine = mine;
+  x.errors->theirs = theirs;
+  store_release(&x.errors->failure, uint32_t(kind));
+  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
+    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
+    for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
+  }
+}
+
+// A peer's rejection: recorded once per Team::check (call_claims moves from the record's
+// call_generation to one past it, as on the GPU).
+inline void record_rejection(const Exchange& x, int sender) {
+  const uint32_t generation = load_acquire(&x.errors->call_generation);
+  uint32_t expected = generation;
+  if (ProtocolAtomic<uint32_t>(x.control->call_claims)
+          .compare_exchange_strong(expected, generation + 1, sycl::memory_order::acq_rel)) {
+    x.errors->call_peer = uint32_t(sender);
+    store_release(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
+  }
+}
+
+// record_header's Recorder (session.h).
+struct Recorder {
+  void on_rejection(const Exchange& x, int sender) const { record_rejection(x, sender); }
+  void on_failure(const Exchange& x, CallError kind, int sender, const Vec16& mine,
+                  const Vec16& theirs, uint32_t sequence) const {
+    record_team_failure(x, kind, sender, mine, theirs, sequence);
+  }
+};
+
+// Whether this rank's team has failed: its error word, or a peer's failure mark (recorded then).
+inline bool team_stopped(const Exchange& x) {
+  if (load_acquire(&x.control->error) != 0) return true;
+  const Vec16* mark = x.mark();
+  if (load_acquire(&mark->word[0]) == kSentinel) return false;
+  const Vec16 m = load_vector(mark);
+  if (!has_arrived(m)) return false;
+  WorkGroupCoop::record_mark(x, m);
+  return true;
+}
+
+// Waits for a packet vector of `sender`: every kCheckEvery looks it reads the hash word of the
+// sender's header (one that is in and differs from this call's ends the wait: the end-of-call
+// check records why), whether the team has failed, and the bound, where it records a timeout
+// naming the sender. A wait that ends without data gives NaN.
+inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* header,
+                         const CallSignature& mine, int sender, uint32_t sequence,
+                         uint64_t max_looks) {
+  Vec16 v = load_vector(address);
+  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
+    if (looks % kCheckEvery == 0) {
+      const uint32_t hash = load_acquire(&header->word[3]);
+      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
+      if (team_stopped(x)) return nan_vector();
+      if (max_looks != 0 && looks >= max_looks) {
+        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
+        return nan_vector();
+      }
+    }
+    v = load_vector(address);
+  }
+  return v;
+}
+
+// Waits for a vector (a header, a packet an absent call drains): false if the team failed or
+// the bound passed (a timeout naming `sender`, recorded).
+inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSignature& mine,
+                        int sender, uint32_t sequence, uint64_t max_looks, Vec16& v) {
+  v = load_vector(address);
+  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
+    if (looks % kCheckEvery == 0) {
+      if (team_stopped(x)) return false;
+      if (max_looks != 0 && looks >= max_looks) {
+        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
+        return false;
+      }
+    }
+    v = load_vector(address);
+  }
+  return true;
+}
+
+// Step 1: work-item 0 reads the call state, the group takes it.
+inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x, bool first) {
+  CallState read{};
+  if (first) read = read_call_state<WorkGroupCoop>(x);
+  CallState state;
+  state.slot = sycl::group_broadcast(group, read.slot, 0);
+  state.failed = sycl::group_broadcast(group, read.failed, 0);
+  state.sequence = sycl::group_broadcast(group, read.sequence, 0);
+  state.clear_bytes = sycl::group_broadcast(group, read.clear_bytes, 0);
+  return state;
+}
+
+template <typename T, typename Epilogue>
+void row_call(const SyclRowCall& p) {
+  using Session = LamportSession<WorkGroupCoop>;
+  constexpr int kElements = Packed<T>::kElements;
+  const sycl::nd_item<1> item = this_item();
+  const sycl::group<1> group = item.get_group();
+  const int64_t first = int64_t(item.get_local_linear_id());
+  const int64_t stride = int64_t(item.get_local_range(0));
+  const Exchange& x = p.exchange;
+  const bool local = p.local != 0;
+  const int world = local ? 1 : x.world_size;
+  const int rank = local ? 0 : x.rank;
+  const int64_t vectors = p.hidden / kElements;
+  const auto* input = static_cast<const Vec16*>(p.input);
+  const auto* residual = static_cast<const Vec16*>(p.residual);
+  const auto* gamma = static_cast<const Vec16*>(p.gamma);
+  auto* residual_out = static_cast<Vec16*>(p.residual_out);
+  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+
+  CallState state{};
+  if (!local) state = group_call_state(group, x, first == 0);
+  const Session session(state);
+  if (!local && session.failed()) return;
+  const CallSignature mine = sequenced_signature(p.signature, state.sequence);
+
+  if (!local) {
+    // 2. Send.
+    if (first < world && first != rank) {
+      store_vector(reinterpret_cast<Vec16*>(x.workspace[first] + session.header_send_offset(x)),
+                   mine.header);
+    }
+    const size_t send_offset = session.send_offset(x);
+    for (int64_t i = first; i < p.tokens * vectors; i += stride) {
+      const Vec16 packet = rewrite_sentinel(input[i]);
+      for (int r = 0; r < world; ++r) {
+        if (r != rank)
+          store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
+      }
+    }
+    // 3. Arrive (work-item 0 alone read the state it moves), clear.
+    if (first == 0) session.arrive(x.control, uint64_t(p.tokens * p.hidden) * sizeof(T));
+    session.clear_previous(x);
+  }
+
+  // 4. Receive and finish, a token at a time.
+  for (int64_t token = 0; token < p.tokens; ++token) {
+    for (int64_t v = first; v < vectors; v += stride) {
+      const int64_t index = token * vectors + v;
+      float acc[kElements];
+      for (int sender = 0; sender < world; ++sender) {
+        const Vec16 packet =
+            sender == rank
+                ? rewrite_sentinel(input[index])
+                : wait_packet(
+                      reinterpret_cast<const Vec16*>(session.receive_region(x, sender)) + index, x,
+                      session.received_header(x, sender), mine, sender, state.sequence,
+                      p.max_looks);
+        if (sender == 0) {
+          accumulate_first<T>(acc, packet);
+        } else {
+          accumulate<T>(acc, packet);
+        }
+      }
+      float unused = 0.0f;
+      Vec16 residual_vector{};
+      if constexpr (Epilogue::kHasResidual) residual_vector = residual[index];
+      const Vec16 rounded = Epilogue::template round_sum<T>(acc, residual_vector, unused);
+      if constexpr (Epilogue::kHasNorm) {
+        if (residual_out != nullptr) residual_out[index] = rounded;
+      }
+      norm_out[index] = rounded;
+    }
+    if constexpr (Epilogue::kHasNorm) {
+      sycl::group_barrier(group);
+      // The sum of squares of the rounded row in element order from 0 (src/cpu/rows.cc's).
+      float sum_squares = 0.0f;
+      if (first == 0) {
+        for (int64_t v = 0; v < vectors; ++v) {
+          float lanes[kElements];
+          unpack<T>(norm_out[token * vectors + v], lanes);
+          for (int l = 0; l < kElements; ++l) sum_squares += lanes[l] * lanes[l];
+        }
+      }
+      const float scale = sycl::group_broadcast(group, rms_scale(sum_squares, p.hidden, p.eps), 0);
+      for (int64_t v = first; v < vectors; v += stride) {
+        const int64_t index = token * vectors + v;
+        float lanes[kElements];
+        unpack<T>(norm_out[index], lanes);
+        norm_out[index] = Epilogue::template normalize<T>(lanes, gamma[v], scale);
+      }
+    }
+  }
+
+  // 5. The headers: work-item r checks rank r's (its wait ends at once where the call's data came).
+  if (!local && first < world && first != rank && load_acquire(&x.control->error) == 0) {
+    Vec16 header;
+    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
+                    p.max_looks, header)) {
+      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
+    }
+  }
+}
+
+// An absent call (session.h; src/cuda/absent.cu is the GPU's): the header, the clear, every
+// peer's header (an empty call must agree with it; a rejecting rank takes whatever comes), the
+// drain of what their signatures say they sent, and the arrival with the largest region used.
+inline void absent_call(const SyclAbsentCall& p) {
+  using Session = LamportSession<WorkGroupCoop>;
+  const sycl::nd_item<1> item = this_item();
+  const sycl::group<1> group = item.get_group();
+  const int64_t first = int64_t(item.get_local_linear_id());
+  const int64_t stride = int64_t(item.get_local_range(0));
+  const Exchange& x = p.exchange;
+  const int world = x.world_size;
+  const CallState state = group_call_state(group, x, first == 0);
+  const Session session(state);
+  if (session.failed()) return;
+  const CallSignature mine = sequenced_signature(p.signature, state.sequence);
+  if (first < world && first != x.rank) {
+    store_vector(reinterpret_cast<Vec16*>(x.workspace[first] + session.header_send_offset(x)),
+                 mine.header);
+  }
+  session.clear_previous(x);
+  if (first < world && first != x.rank) {
+    Vec16 header;
+    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
+                    p.max_looks, header) &&
+        mine.op() != CallOp::kRejected) {
+      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
+    }
+  }
+  sycl::group_barrier(group);
+  const uint32_t failed =
+      sycl::group_broadcast(group, first == 0 ? load_acquire(&x.control->error) : 0u, 0);
+  if (failed != 0) return;
+  uint64_t clear_bytes = 0;
+  for (int sender = 0; sender < world; ++sender) {
+    if (sender == x.rank) continue;
+    const Vec16 header = load_vector(session.received_header(x, sender));
+    const SenderExtents extents = sender_extents(CallSignature{header}, sender, x.rank, world);
+    clear_bytes = extents.clear_bytes > clear_bytes ? extents.clear_bytes : clear_bytes;
+    const char* region = session.receive_region(x, sender);
+    for (int range = 0; range < 2; ++range) {
+      for (uint64_t offset = extents.begin[range] + 16 * uint64_t(first);
+           offset < extents.end[range]; offset += 16 * uint64_t(stride)) {
+        Vec16 v;
+        if (!wait_vector(reinterpret_cast<const Vec16*>(region + offset), x, mine, sender,
+                         state.sequence, p.max_looks, v)) {
+          break;
+        }
+      }
+    }
+  }
+  sycl::group_barrier(group);
+  if (first == 0) session.arrive(x.control, clear_bytes);
+}
+
+}  // namespace tpfuse::impl::sycl_device
+
+namespace tpfuse::impl::sycl_kernels {
+using Sum = SumEpilogue;
+using Norm = RowEpilogue<false, true>;
+using ResidualNorm = RowEpilogue<true, true>;
+using NormOnePlusGamma = RowEpilogue<false, true, NormWeight::kOnePlusGamma>;
+using ResidualNormOnePlusGamma = RowEpilogue<true, true, NormWeight::kOnePlusGamma>;
+}  // namespace tpfuse::impl::sycl_kernels
+
+// The kernels, by name (src/sycl/backend.cc looks them up): tpf_sycl_rows_<dtype>_<epilogue>.
+#define TPF_SYCL_ROW_KERNEL(dtype_name, T, epilogue_name, Epilogue)                  \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(                                      \
+      (sycl::ext::oneapi::experimental::nd_range_kernel<1>)) void                    \
+      tpf_sycl_rows_##dtype_name##_##epilogue_name(tpfuse::impl::SyclRowCall p) {    \
+    tpfuse::impl::sycl_device::row_call<T, tpfuse::impl::sycl_kernels::Epilogue>(p); \
+  }
+#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                       \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                    \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm) \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma)
+
+TPF_SYCL_ROW_KERNELS(f32, float)
+TPF_SYCL_ROW_KERNELS(f16, tpfuse::impl::Float16)
+TPF_SYCL_ROW_KERNELS(bf16, tpfuse::impl::BFloat16)
+
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
+    (sycl::ext::oneapi::experimental::nd_range_kernel<
+        1>)) void tpf_sycl_absent(tpfuse::impl::SyclAbsentCall p) {
+  tpfuse::impl::sycl_device::absent_call(p);
+}
+
+// `looks` looks (the waits' loop, with their slow-path loads) at a vector that never arrives:
+// how fast a wait looks, which the team turns into its bound.
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
+    (sycl::ext::oneapi::experimental::nd_range_kernel<
+        1>)) void tpf_sycl_calibrate(const tpfuse::impl::Vec16* never, const uint32_t* words,
+                                     uint64_t looks, uint32_t* out) {
+  using namespace tpfuse::impl;
+  const int64_t first = int64_t(sycl_device::this_item().get_local_linear_id());
+  const Vec16* address = never + first;
+  Vec16 v = sycl_device::load_vector(address);
+  uint32_t seen = 0;
+  for (uint64_t l = 1; l < looks && !has_arrived(v); ++l) {
+    if (l % sycl_device::kCheckEvery == 0) {
+      seen ^= sycl_device::load_acquire(&words[0]) ^ sycl_device::load_acquire(&words[1]) ^
+              sycl_device::load_acquire(&words[2]);
+    }
+    v = sycl_device::load_vector(address);
+  }
+  if (has_arrived(v) || seen == 1u) out[0] = 1u;
+}
