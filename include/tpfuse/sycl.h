@@ -48,13 +48,15 @@ inline void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, sycl::queue
 
 // A team of ranks of this process on SYCL devices: rank i on devices[i]. Devices may repeat
 // (ranks sharing a device reach each other through its USM); distinct devices must be of one
-// platform and reach each other's device memory (peer access; its absence is an error naming the
-// pair). Every rank polls its peers from a running kernel, so the ranks of a device must all run
-// at once: a team with more ranks on a device than it has compute units is refused, naming the
-// ranks and the compute units (never a hang). Each rank's workspace is device memory
-// (3 * world_size * packet_bytes), its error record host memory the host reads without waiting.
-// The kernels are compiled here (src/sycl/compiler.h: cached in memory and on disk), and the poll
-// bound that makes peer_timeout_seconds is calibrated here (docs/sycl.md says how).
+// platform, whose default context the team uses (a queue made from a device has it: memory
+// allocated with such a queue is the team's to use) and reach each other's device memory (peer
+// access; its absence is an error naming the pair). Every rank polls its peers from a running
+// kernel, so the ranks of a device must all run at once: a team with more ranks on a device than it
+// has compute units is refused, naming the ranks and the compute units (never a hang). Each rank's
+// workspace is device memory (3 * world_size * packet_bytes), its error record host memory the host
+// reads without waiting. The kernels are compiled here (src/sycl/compiler.h: cached in memory and
+// on disk), and the poll bound that makes peer_timeout_seconds is calibrated here (docs/sycl.md
+// says how).
 std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
                                    const TeamOptions& options = {});
 

@@ -54,8 +54,12 @@ const SyclKernels& sycl_kernels(const sycl::context& context, const sycl::device
   for (const KernelEntry* entry : *entries) {
     if (entry->context == context && entry->device == device) return entry->kernels;
   }
-  const sycl_backend::KernelSource source{
-      "the SYCL backend's kernels (tpfuse/sycl/rows.h)", "#include <tpfuse/sycl/rows.h>\n", {}, {}};
+  // The waits read the device's clock where it has one (rows.h).
+  const bool clock = device.has(sycl::aspect::ext_oneapi_clock_device);
+  const sycl_backend::KernelSource source{"the SYCL backend's kernels (tpfuse/sycl/rows.h)",
+                                          "#include <tpfuse/sycl/rows.h>\n",
+                                          {},
+                                          {clock ? "-DTPF_SYCL_CLOCK=1" : "-DTPF_SYCL_CLOCK=0"}};
   const sycl_backend::Build build = sycl_backend::kernel_compiler().build(context, device, source);
   SyclKernels kernels;
   for (int d = 0; d < 3; ++d) {
@@ -66,6 +70,8 @@ const SyclKernels& sycl_kernels(const sycl::context& context, const sycl::device
   }
   kernels.absent = build.kernel("tpf_sycl_absent");
   kernels.calibrate = build.kernel("tpf_sycl_calibrate");
+  kernels.clock_rate = build.kernel("tpf_sycl_clock_rate");
+  kernels.clock = clock;
   kernels.group_size =
       std::min(kGroupSize, device.get_info<sycl::info::device::max_work_group_size>());
   kernels.seconds = build.seconds;
@@ -103,10 +109,10 @@ void remember(const SyclTeamState& team, const sycl::event& event) {
   team.last = event;
 }
 
-SyclRowCall row_params(const RowCall& call, bool local, uint64_t max_looks) {
+SyclRowCall row_params(const RowCall& call, bool local, uint64_t bound) {
   return SyclRowCall{call.exchange, call.signature,    call.input,    call.residual,
                      call.gamma,    call.residual_out, call.norm_out, call.tokens,
-                     call.hidden,   call.eps,          local ? 1 : 0, max_looks};
+                     call.hidden,   call.eps,          local ? 1 : 0, bound};
 }
 
 const sycl::kernel& row_kernel(const SyclKernels& kernels, DType dtype,
@@ -176,7 +182,7 @@ class SyclBackend final : public BackendOps {
     const SyclTeamState& team = sycl_state(rank);
     const sycl::kernel& kernel = row_kernel(*team.kernels, dtype, epilogue, "one-shot");
     remember(team, submit(rank_queue(team, stream), kernel, team.kernels->group_size,
-                          row_params(call, false, team.max_looks), "one-shot"));
+                          row_params(call, false, team.bound), "one-shot"));
   }
   void twoshot(const TeamState&, const RowCall&, DType, const RowEpilogueKind&,
                Stream) const override {
@@ -209,9 +215,8 @@ class SyclBackend final : public BackendOps {
   void absent_call(const TeamState& rank, const CallSignature& signature,
                    Stream stream) const override {
     const SyclTeamState& team = sycl_state(rank);
-    remember(team,
-             submit(rank_queue(team, stream), *team.kernels->absent, team.kernels->group_size,
-                    SyclAbsentCall{rank.exchange, signature, team.max_looks}, "an absent call"));
+    remember(team, submit(rank_queue(team, stream), *team.kernels->absent, team.kernels->group_size,
+                          SyclAbsentCall{rank.exchange, signature, team.bound}, "an absent call"));
   }
   void nccl_turn(const TeamState&, const CallSignature&, size_t, DType, Stream) const override {
     TPF_FAIL("the SYCL backend has no NCCL path");

@@ -29,6 +29,8 @@ struct SyclKernels {
   std::vector<sycl::kernel> rows;  // [DType][sycl_epilogue_index]
   std::optional<sycl::kernel> absent;
   std::optional<sycl::kernel> calibrate;
+  std::optional<sycl::kernel> clock_rate;
+  bool clock;         // the waits' bound is in device clock ticks (else in looks): rows.h
   size_t group_size;  // work-items of a call's one work-group
   double seconds;     // what getting them took (compile, disk or memory)
   const sycl::kernel& row(DType dtype, int epilogue) const {
@@ -45,7 +47,7 @@ struct SyclTeamState : TeamState {
   std::optional<sycl::device> sycl_device;
   mutable std::optional<sycl::queue> queue;  // in order: the calls made with an empty Stream
   const SyclKernels* kernels = nullptr;
-  uint64_t max_looks = 0;  // the waits' bound (rows.h): peer_timeout_seconds as looks
+  uint64_t bound = 0;  // the waits' bound (rows.h): peer_timeout_seconds as ticks or looks
 
   // The rank's last call, whichever queue it went to: what Team::check waits for.
   mutable std::mutex mutex;

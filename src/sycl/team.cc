@@ -8,6 +8,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/backend.h"
@@ -59,9 +60,12 @@ void refuse_more_ranks_than_compute_units(const std::vector<sycl::device>& devic
   }
 }
 
-// Looks per second of a wait (tpf_sycl_calibrate): the fastest of three runs, so that a bound
-// made from it lasts at least the timeout wherever a wait looks no faster than measured (a
-// loaded device looks slower: its waits then last longer).
+// Looks per second of a wait (tpf_sycl_calibrate), by one work-item: what one wait costs, however
+// a device runs a group's work-items (the CPU device runs them in SIMD lanes, a few lane groups
+// one after another: measured over a whole group, a look seemed several times slower than a
+// wait's, and waits ended 7 times too early). The fastest of three runs, so that a bound made
+// from it lasts at least the timeout wherever a wait looks no faster than measured (a loaded
+// device looks slower: its waits then last longer).
 double looks_per_second(sycl::queue& queue, const SyclKernels& kernels) {
   const size_t group = kernels.group_size;
   auto* never = sycl::malloc_device<Vec16>(group, queue);
@@ -81,7 +85,7 @@ double looks_per_second(sycl::queue& queue, const SyclKernels& kernels) {
         .submit([&](sycl::handler& handler) {
           handler.set_args(static_cast<const Vec16*>(never), static_cast<const uint32_t*>(words),
                            kLooks, out);
-          handler.parallel_for(sycl::nd_range<1>{group, group}, *kernels.calibrate);
+          handler.parallel_for(sycl::nd_range<1>{1, 1}, *kernels.calibrate);
         })
         .wait();
     const double seconds =
@@ -92,6 +96,46 @@ double looks_per_second(sycl::queue& queue, const SyclKernels& kernels) {
   sycl::free(words, queue);
   sycl::free(out, queue);
   return best;
+}
+
+// Ticks per second of the device's clock (tpf_sycl_clock_rate): the kernel reads it, the host
+// times 50 ms, sets the flag, the kernel reads it again.
+double clock_ticks_per_second(sycl::queue& queue, const SyclKernels& kernels) {
+  auto* flag = sycl::malloc_host<uint32_t>(1, queue);
+  auto* ticks = sycl::malloc_host<uint64_t>(2, queue);
+  if (flag == nullptr || ticks == nullptr) {
+    TPF_FAIL("create_sycl_team: out of host memory for the clock's calibration");
+  }
+  *flag = 0;
+  ticks[0] = ticks[1] = 0;
+  sycl::event run = queue.submit([&](sycl::handler& handler) {
+    handler.set_args(static_cast<const uint32_t*>(flag), ticks);
+    handler.parallel_for(sycl::nd_range<1>{1, 1}, *kernels.clock_rate);
+  });
+  using Clock = std::chrono::steady_clock;
+  const auto give_up = Clock::now() + std::chrono::seconds(30);
+  bool started = true;
+  while (__atomic_load_n(&ticks[0], __ATOMIC_ACQUIRE) == 0) {
+    if (Clock::now() > give_up) {
+      started = false;
+      break;
+    }
+    std::this_thread::yield();
+  }
+  const auto start = Clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto end = Clock::now();
+  __atomic_store_n(flag, 1u, __ATOMIC_RELEASE);
+  run.wait();
+  const uint64_t elapsed = ticks[1] - ticks[0];
+  sycl::free(flag, queue);
+  sycl::free(ticks, queue);
+  const double seconds = std::chrono::duration<double>(end - start).count();
+  if (!started || elapsed == 0) {
+    TPF_FAIL("create_sycl_team: the device's clock could not be timed (its kernel "
+             << (started ? "read no ticks" : "did not start within 30 s") << ")");
+  }
+  return double(elapsed) / seconds;
 }
 
 }  // namespace
@@ -138,7 +182,9 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
       }
     }
   }
-  const sycl::context context(distinct);
+  // The platform's default context: the one a queue made from a device has, so that memory the
+  // caller allocates with such a queue (or for another team of the platform) is this team's too.
+  const sycl::context context = distinct.front().get_platform().ext_oneapi_get_default_context();
   std::vector<const impl::SyclKernels*> kernels;
   for (const sycl::device& device : devices) {
     kernels.push_back(&impl::sycl_kernels(context, device));
@@ -172,11 +218,14 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
     *records.back() = impl::ErrorRecord{};
   }
   for (sycl::queue& queue : queues) queue.wait();
-  // The waits' bound: the timeout as looks, at the rate measured on rank 0's device.
-  uint64_t max_looks = 0;
+  // The waits' bound: the timeout as clock ticks (or looks), at the rate measured on rank 0's
+  // device.
+  uint64_t bound = 0;
   if (options.peer_timeout_seconds > 0) {
-    const double rate = impl::looks_per_second(queues.front(), *kernels.front());
-    max_looks = std::max<uint64_t>(1, uint64_t(options.peer_timeout_seconds * rate));
+    const double rate = kernels.front()->clock
+                            ? impl::clock_ticks_per_second(queues.front(), *kernels.front())
+                            : impl::looks_per_second(queues.front(), *kernels.front());
+    bound = std::max<uint64_t>(1, uint64_t(options.peer_timeout_seconds * rate));
   }
   const std::vector<sycl::device> all = sycl::device::get_devices();
   std::vector<Team> team;
@@ -193,7 +242,7 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
     state->sycl_device = devices[r];
     state->queue = queues[r];
     state->kernels = kernels[r];
-    state->max_looks = max_looks;
+    state->bound = bound;
     state->memory = memory;
     team.emplace_back(std::move(state));
   }

@@ -22,15 +22,15 @@ struct SyclRowCall {
   int64_t tokens;
   int64_t hidden;
   float eps;
-  int local;           // 1: no exchange (add_rmsnorm, a one-rank team)
-  uint64_t max_looks;  // the waits' bound: looks at a vector (0: none), calibrated per team
+  int local;       // 1: no exchange (add_rmsnorm, a one-rank team)
+  uint64_t bound;  // the waits' bound: device clock ticks, or looks without a clock (rows.h)
 };
 
 // An absent call (session.h): this rank's turn without data.
 struct SyclAbsentCall {
   Exchange exchange;
   CallSignature signature;
-  uint64_t max_looks;
+  uint64_t bound;
 };
 
 }  // namespace tpfuse::impl

@@ -14,7 +14,8 @@
 //   2. send: work-item r stores the call's header (its signature with the call number folded in,
 //      sequenced_signature) into rank r; then every packet of the input, sentinel words
 //      rewritten, into every peer's slot;
-//   3. arrive (work-item 0: the only participant) and clear the previous call's slot. A rank's
+//   3. after a group barrier (every send before any poll: see there), arrive (work-item 0: the
+//      only participant) and clear the previous call's slot. A rank's
 //      next call starts only once this one has ended (its queue is in order: validate_call);
 //   4. per token: each work-item sums its vectors over the ranks in rank order in fp32 (its own
 //      from its input), polling its peers' packets (wait_packet: a differing header, a failure of
@@ -26,9 +27,12 @@
 // loads. The staging in norm_out is read across work-items only after a group barrier (or the
 // broadcast that follows it), whose fence orders the group's global memory.
 //
-// Waits are bounded by a count of looks, not a clock (standard SYCL has none): max_looks comes
-// from TeamOptions::peer_timeout_seconds and a rate measured when the team was made
-// (tpf_sycl_calibrate, src/sycl/team.cc).
+// Waits are bounded by the device's clock where it has one (sycl_ext_oneapi_clock, device scope:
+// the host compiles with -DTPF_SYCL_CLOCK=1): SyclRowCall::bound is TeamOptions::
+// peer_timeout_seconds in its ticks, at a rate the team measured when it was made
+// (tpf_sycl_clock_rate, src/sycl/team.cc). A device without one counts looks instead, at a rate
+// measured by one work-item (tpf_sycl_calibrate): approximate, as a look's cost depends on how
+// the device runs a group's work-items.
 #pragma once
 
 #include <sycl/sycl.hpp>
@@ -42,7 +46,39 @@
 #include "tpfuse/sycl/calls.h"
 #include "tpfuse/sycl/exchange.h"
 
+#ifndef TPF_SYCL_CLOCK
+#define TPF_SYCL_CLOCK 0
+#endif
+
 namespace tpfuse::impl::sycl_device {
+
+// The device clock's ticks (0 without one).
+inline uint64_t device_ticks() {
+#if TPF_SYCL_CLOCK
+  namespace syclex = sycl::ext::oneapi::experimental;
+  return syclex::clock<syclex::clock_scope::device>();
+#else
+  return 0;
+#endif
+}
+
+// The waits' bound (SyclRowCall::bound; 0: none): whether it has passed at this check, `looks`
+// looks into the wait, whose first check read the clock into `start`.
+inline bool bound_passed(uint64_t bound, uint64_t looks, uint64_t& start) {
+  if (bound == 0) return false;
+#if TPF_SYCL_CLOCK
+  (void)looks;
+  const uint64_t now = device_ticks();
+  if (start == 0) {
+    start = now | 1u;
+    return false;
+  }
+  return now - start > bound;
+#else
+  (void)start;
+  return looks >= bound;
+#endif
+}
 
 // Looks at a vector between two checks of the slow path (the header, the error word, the mark,
 // the bound).
@@ -107,15 +143,15 @@ inline bool team_stopped(const Exchange& x) {
 // check records why), whether the team has failed, and the bound, where it records a timeout
 // naming the sender. A wait that ends without data gives NaN.
 inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* header,
-                         const CallSignature& mine, int sender, uint32_t sequence,
-                         uint64_t max_looks) {
+                         const CallSignature& mine, int sender, uint32_t sequence, uint64_t bound) {
+  uint64_t start = 0;
   Vec16 v = load_vector(address);
   for (uint64_t looks = 1; !has_arrived(v); ++looks) {
     if (looks % kCheckEvery == 0) {
       const uint32_t hash = load_acquire(&header->word[3]);
       if (hash != kSentinel && hash != mine.hash()) return nan_vector();
       if (team_stopped(x)) return nan_vector();
-      if (max_looks != 0 && looks >= max_looks) {
+      if (bound_passed(bound, looks, start)) {
         record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
         return nan_vector();
       }
@@ -128,12 +164,13 @@ inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* h
 // Waits for a vector (a header, a packet an absent call drains): false if the team failed or
 // the bound passed (a timeout naming `sender`, recorded).
 inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSignature& mine,
-                        int sender, uint32_t sequence, uint64_t max_looks, Vec16& v) {
+                        int sender, uint32_t sequence, uint64_t bound, Vec16& v) {
+  uint64_t start = 0;
   v = load_vector(address);
   for (uint64_t looks = 1; !has_arrived(v); ++looks) {
     if (looks % kCheckEvery == 0) {
       if (team_stopped(x)) return false;
-      if (max_looks != 0 && looks >= max_looks) {
+      if (bound_passed(bound, looks, start)) {
         record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
         return false;
       }
@@ -194,6 +231,12 @@ void row_call(const SyclRowCall& p) {
           store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
       }
     }
+    // Every work-item's sends before any work-item's polls. A work-item receives vectors that
+    // other work-items of the peer's group sent, and a group's work-items have no forward
+    // progress of their own: the CPU device runs them a few SIMD lanes at a time, each lane group
+    // to the next barrier, so a lane group polling for a vector a later one sends would wait
+    // forever (found with rows of 224 vectors: a timeout on every call).
+    sycl::group_barrier(group);
     // 3. Arrive (work-item 0 alone read the state it moves), clear.
     if (first == 0) session.arrive(x.control, uint64_t(p.tokens * p.hidden) * sizeof(T));
     session.clear_previous(x);
@@ -210,8 +253,7 @@ void row_call(const SyclRowCall& p) {
                 ? rewrite_sentinel(input[index])
                 : wait_packet(
                       reinterpret_cast<const Vec16*>(session.receive_region(x, sender)) + index, x,
-                      session.received_header(x, sender), mine, sender, state.sequence,
-                      p.max_looks);
+                      session.received_header(x, sender), mine, sender, state.sequence, p.bound);
         if (sender == 0) {
           accumulate_first<T>(acc, packet);
         } else {
@@ -252,7 +294,7 @@ void row_call(const SyclRowCall& p) {
   if (!local && first < world && first != rank && load_acquire(&x.control->error) == 0) {
     Vec16 header;
     if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
-                    p.max_looks, header)) {
+                    p.bound, header)) {
       record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
     }
   }
@@ -278,10 +320,11 @@ inline void absent_call(const SyclAbsentCall& p) {
                  mine.header);
   }
   session.clear_previous(x);
+  sycl::group_barrier(group);  // every header sent before any wait (row_call says why)
   if (first < world && first != x.rank) {
     Vec16 header;
     if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
-                    p.max_looks, header) &&
+                    p.bound, header) &&
         mine.op() != CallOp::kRejected) {
       record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
     }
@@ -302,7 +345,7 @@ inline void absent_call(const SyclAbsentCall& p) {
            offset < extents.end[range]; offset += 16 * uint64_t(stride)) {
         Vec16 v;
         if (!wait_vector(reinterpret_cast<const Vec16*>(region + offset), x, mine, sender,
-                         state.sequence, p.max_looks, v)) {
+                         state.sequence, p.bound, v)) {
           break;
         }
       }
@@ -346,8 +389,20 @@ extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
   tpfuse::impl::sycl_device::absent_call(p);
 }
 
+// The device clock's ticks at its start (ticks[0]) and once the host has set *flag (ticks[1]): the
+// host times the same span (src/sycl/team.cc). Bounded: 2^32 looks at the flag at most.
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::oneapi::experimental::nd_range_kernel<
+                                              1>)) void tpf_sycl_clock_rate(const uint32_t* flag,
+                                                                            uint64_t* ticks) {
+  using namespace tpfuse::impl;
+  sycl_device::store_release(&ticks[0], sycl_device::device_ticks() | 1u);
+  for (uint64_t l = 0; l < (uint64_t(1) << 32) && sycl_device::load_acquire(flag) == 0; ++l) {
+  }
+  sycl_device::store_release(&ticks[1], sycl_device::device_ticks() | 1u);
+}
+
 // `looks` looks (the waits' loop, with their slow-path loads) at a vector that never arrives:
-// how fast a wait looks, which the team turns into its bound.
+// how fast a wait looks, which a device without a clock turns into its bound.
 extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
     (sycl::ext::oneapi::experimental::nd_range_kernel<
         1>)) void tpf_sycl_calibrate(const tpfuse::impl::Vec16* never, const uint32_t* words,
