@@ -177,6 +177,81 @@ TEST_F(SyclProperties, EmptyCallsTakeTheirTurn) {
   }
 }
 
+// The local epilogue (add_rmsnorm on a queue, and a team of one rank, which runs it): the CPU
+// backend's bits, every dtype and weight, against float64 too.
+TEST(SyclLocal, AddRmsNormGivesTheCpuBackendsBits) {
+  TPF_REQUIRE_DEVICE(device);
+  SyclHarness one(create_sycl_team(std::vector<sycl::device>{device}));
+  sycl::queue& queue = one.queue(0);
+  std::mt19937_64 rng(1900);
+  for (DType dtype : kDTypes) {
+    for (int64_t hidden : {8, 136, 3072, 16384}) {
+      for (NormWeight weight : {NormWeight::kGamma, NormWeight::kOnePlusGamma}) {
+        CaseSpec spec;
+        spec.dtype = dtype;
+        spec.hidden = hidden;
+        spec.tokens = 3;
+        spec.norm_weight = weight;
+        const CaseData data = random_case(rng, spec, 1);
+        const size_t count = size_t(spec.tokens * hidden), bytes = count * dtype_size(dtype);
+        const auto args_for = [&](const void* input, const void* residual, const void* gamma,
+                                  void* residual_out, void* norm_out) {
+          AddRmsNormArgs args;
+          args.input = input;
+          args.residual = residual;
+          args.gamma = gamma;
+          args.residual_out = residual_out;
+          args.norm_out = norm_out;
+          args.tokens = spec.tokens;
+          args.hidden = hidden;
+          args.dtype = dtype;
+          args.eps = spec.eps;
+          args.norm_weight = weight;
+          return args;
+        };
+        CaseResult on_cpu;
+        on_cpu.norm_out.push_back(poisoned(dtype, count));
+        on_cpu.residual_out.push_back(poisoned(dtype, count));
+        add_rmsnorm(Backend::kCpu,
+                    args_for(data.inputs[0].data(), data.residuals[0].data(), data.gamma.data(),
+                             on_cpu.residual_out[0].data(), on_cpu.norm_out[0].data()));
+        expect_correct(spec, data, on_cpu);
+        void* input = one.allocate(0, bytes);
+        void* residual = one.allocate(0, bytes);
+        void* gamma = one.allocate(0, data.gamma.bytes.size());
+        void* residual_out = one.allocate(0, bytes);
+        void* norm_out = one.allocate(0, bytes);
+        one.upload(0, input, data.inputs[0].data(), bytes);
+        one.upload(0, residual, data.residuals[0].data(), bytes);
+        one.upload(0, gamma, data.gamma.data(), data.gamma.bytes.size());
+        for (int form = 0; form < 2; ++form) {
+          const HostTensor poison = poisoned(dtype, count);
+          one.upload(0, residual_out, poison.data(), bytes);
+          one.upload(0, norm_out, poison.data(), bytes);
+          const AddRmsNormArgs args = args_for(input, residual, gamma, residual_out, norm_out);
+          if (form == 0) {
+            add_rmsnorm(Backend::kSycl, args, queue);
+            queue.wait();
+          } else {
+            allreduce_add_rmsnorm(one.team()[0], args, queue);
+            one.team()[0].check();
+          }
+          HostTensor got_norm(dtype, count), got_residual(dtype, count);
+          one.download(0, got_norm.data(), norm_out, bytes);
+          one.download(0, got_residual.data(), residual_out, bytes);
+          EXPECT_TRUE(got_norm.bytes == on_cpu.norm_out[0].bytes)
+              << describe(spec) << (form == 0 ? " add_rmsnorm" : " one-rank team");
+          EXPECT_TRUE(got_residual.bytes == on_cpu.residual_out[0].bytes)
+              << describe(spec) << (form == 0 ? " add_rmsnorm" : " one-rank team");
+        }
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+  }
+  // A local call needs the queue to run on.
+  EXPECT_THROW(add_rmsnorm(Backend::kSycl, AddRmsNormArgs{}), Error);
+}
+
 // A peer that never makes its call: rank 0's wait ends within about the timeout with an error
 // naming rank 1, its outputs NaN; rank 0 announced the failure, so rank 1's late call is refused
 // (nothing written) instead of meeting rank 0's abandoned packets, and every check reports it.
