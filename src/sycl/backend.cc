@@ -1,7 +1,7 @@
 // The SYCL backend's BackendOps: per-call checks of the queue and the memory, and each call as
 // one kernel submission (src/sycl/device/rows.h) on the call's queue, with no host wait. A call's
 // Stream carries a sycl::queue* (tpfuse/sycl.h); an empty one is the rank's own in-order queue.
-// What the backend does not run yet (two-shot, the FP8 outputs, the MoE finalize, the QK norm)
+// What the backend does not run yet (the FP8 outputs, the MoE finalize, the QK norm)
 // is an error naming it, never a silent fallback.
 #include <sstream>
 #include <string>
@@ -109,10 +109,22 @@ void remember(const SyclTeamState& team, const sycl::event& event) {
   team.last = event;
 }
 
-SyclRowCall row_params(const RowCall& call, bool local, uint64_t bound) {
-  return SyclRowCall{call.exchange, call.signature,    call.input,    call.residual,
-                     call.gamma,    call.residual_out, call.norm_out, call.tokens,
-                     call.hidden,   call.eps,          local ? 1 : 0, bound};
+SyclRowCall row_params(const RowCall& call, bool local, bool twoshot, uint64_t bound) {
+  SyclRowCall p{};
+  p.exchange = call.exchange;
+  p.signature = call.signature;
+  p.input = call.input;
+  p.residual = call.residual;
+  p.gamma = call.gamma;
+  p.residual_out = call.residual_out;
+  p.norm_out = call.norm_out;
+  p.tokens = call.tokens;
+  p.hidden = call.hidden;
+  p.eps = call.eps;
+  p.local = local ? 1 : 0;
+  p.twoshot = twoshot ? 1 : 0;
+  p.bound = bound;
+  return p;
 }
 
 const sycl::kernel& row_kernel(const SyclKernels& kernels, DType dtype,
@@ -182,13 +194,14 @@ class SyclBackend final : public BackendOps {
     const SyclTeamState& team = sycl_state(rank);
     const sycl::kernel& kernel = row_kernel(*team.kernels, dtype, epilogue, "one-shot");
     remember(team, submit(rank_queue(team, stream), kernel, team.kernels->group_size,
-                          row_params(call, false, team.bound), "one-shot"));
+                          row_params(call, false, false, team.bound), "one-shot"));
   }
-  void twoshot(const TeamState&, const RowCall&, DType, const RowEpilogueKind&,
-               Stream) const override {
-    TPF_FAIL(
-        "two-shot is not on the SYCL backend yet (issue 42): force Algorithm::kOneShot, or "
-        "raise TeamOptions::packet_bytes so that one-shot carries the message");
+  void twoshot(const TeamState& rank, const RowCall& call, DType dtype,
+               const RowEpilogueKind& epilogue, Stream stream) const override {
+    const SyclTeamState& team = sycl_state(rank);
+    const sycl::kernel& kernel = row_kernel(*team.kernels, dtype, epilogue, "two-shot");
+    remember(team, submit(rank_queue(team, stream), kernel, team.kernels->group_size,
+                          row_params(call, false, true, team.bound), "two-shot"));
   }
   void nccl_path(const TeamState&, const RowCall&, DType, const RowEpilogueKind&,
                  Stream) const override {
@@ -199,7 +212,7 @@ class SyclBackend final : public BackendOps {
     sycl::queue& queue = *queue_of(stream);  // validate_call: a local call has one
     const SyclKernels& kernels = sycl_kernels(queue.get_context(), queue.get_device());
     submit(queue, row_kernel(kernels, dtype, epilogue, "add_rmsnorm"), kernels.group_size,
-           row_params(call, true, 0), "add_rmsnorm");
+           row_params(call, true, false, 0), "add_rmsnorm");
   }
 
   void qk_oneshot(const TeamState&, const QkCall&, DType, Stream) const override {

@@ -51,8 +51,8 @@ std::vector<Team> two_ranks(const sycl::device& device, const TeamOptions& optio
   return create_sycl_team(std::vector<sycl::device>{device, device}, options);
 }
 
-// The shared properties (tests/common/oneshot_properties.h), one-shot forced: two-shot, the FP8
-// outputs and the MoE finalize are not on the SYCL backend yet.
+// The shared properties (tests/common/oneshot_properties.h), one-shot forced unless a test says
+// otherwise (the FP8 outputs and the MoE finalize are not on the SYCL backend yet).
 class SyclProperties : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -79,13 +79,28 @@ TEST_F(SyclProperties, AdversarialPayloads) {
   check_adversarial(*harness_, 1300);
 }
 
-TEST_F(SyclProperties, OnePlusGammaWeight) {
-  check_one_plus_gamma(*harness_, 1400, 12, 37);
+TEST_F(SyclProperties, TwoShotMatchesFloat64ReferenceOnRandomCases) {
+  harness_->algorithm = Algorithm::kTwoShot;
+  check_random_cases(*harness_, 1150, 40, 37);
 }
 
-// Back-to-back calls whose shapes and scales change from call to call, queued in batches
-// without a wait between them: the slots rotate on the device alone.
+// With no algorithm forced, the 1 + gamma calls also run two-shot, for one-shot's bits.
+TEST_F(SyclProperties, OnePlusGammaWeight) {
+  check_one_plus_gamma(*harness_, 1400, 12, 37);
+  harness_->algorithm = Algorithm::kAuto;
+  check_one_plus_gamma(*harness_, 1450, 12, 37);
+}
+
+TEST_F(SyclProperties, TwoShotGivesOneShotBitsWhateverTheBatch) {
+  harness_->algorithm = Algorithm::kAuto;
+  check_batch_invariance(*harness_, 1475);
+}
+
+// Back-to-back calls whose shapes and scales change from call to call, one-shot and two-shot
+// alternating at random (they share the slots), queued in batches without a wait between them:
+// the slots rotate on the device alone.
 TEST_F(SyclProperties, ThousandsOfConsecutiveCalls) {
+  harness_->algorithm = Algorithm::kAuto;
   check_consecutive_calls(*harness_, 1500, 1000, 16, 64);
 }
 
@@ -103,8 +118,9 @@ size_t differing_elements(const HostTensor& a, const HostTensor& b) {
 
 // Where the reference defines the bits (the rank sum in rank order, one rounding) the SYCL
 // backend gives the CPU backend's, and in the norm too (the same element order of the sum of
-// squares): random shapes of every dtype and epilogue, half of them with adversarial words
-// (the sentinel's bits, -0 beside a nonzero lane, denormals, Inf, NaN, huge values).
+// squares): random shapes of every dtype and epilogue, one-shot and two-shot, half of them with
+// adversarial words (the sentinel's bits, -0 beside a nonzero lane, denormals, Inf, NaN, huge
+// values).
 TEST_F(SyclProperties, GivesTheCpuBackendsBits) {
   CpuHarness cpu(2);
   cpu.algorithm = Algorithm::kOneShot;
@@ -118,6 +134,7 @@ TEST_F(SyclProperties, GivesTheCpuBackendsBits) {
     spec.plain_allreduce = c % 5 == 0;
     if (spec.plain_allreduce) spec.residual = false;
     spec.norm_weight = c % 3 == 0 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
+    spec.algorithm = (c / 2) % 2 ? Algorithm::kTwoShot : Algorithm::kOneShot;
     CaseData data = random_case(rng, spec, 2, c % 4 == 0 ? 1e30 : 1.0);
     if (c % 2 == 1) {
       for (HostTensor& input : data.inputs) {
@@ -150,8 +167,8 @@ TEST_F(SyclProperties, MisuseReportedWhereItBelongsAndTheNextCallCorrect) {
   options.packet_bytes = 64 << 10;
   options.peer_timeout_seconds = 5.0;
   harness_ = std::make_unique<SyclHarness>(two_ranks(*device_, options));
-  const MisuseCounts counts = check_misuse(
-      *harness_, 1700, 600, 8, [&] { return two_ranks(*device_, options); }, {Algorithm::kOneShot});
+  const MisuseCounts counts =
+      check_misuse(*harness_, 1700, 600, 8, [&] { return two_ranks(*device_, options); });
   // The draw is fixed by the seed; what it injected, so that the test cannot pass vacuously.
   EXPECT_GT(counts.rejected, 40);
   EXPECT_GT(counts.disagreeing, 40);
@@ -334,12 +351,25 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
   SyclHarness harness(two_ranks(device));
   void* a = harness.allocate(0, 1024);
   void* b = harness.allocate(0, 1024);
+  // FP8 outputs: refused by the one rank that asks, before it takes a turn (a peer making the
+  // same call is refused alike).
+  void* c = harness.allocate(0, 1024);
+  void* scale = harness.allocate(0, 16);
+  AddRmsNormArgs fp8;
+  fp8.input = a;
+  fp8.gamma = b;
+  fp8.norm_out = c;
+  fp8.quant = QuantMode::kStatic;
+  fp8.quant_out = harness.allocate(0, 1024);
+  fp8.quant_scale = static_cast<const float*>(scale);
+  fp8.tokens = 1;
+  fp8.hidden = 128;
+  fp8.dtype = DType::kBFloat16;
   try {
-    allreduce(harness.team()[0], a, b, 64, DType::kFloat32, harness.queue(0), Algorithm::kTwoShot);
-    FAIL() << "two-shot ran";
+    allreduce_add_rmsnorm(harness.team()[0], fp8, harness.queue(0));
+    FAIL() << "an FP8 output ran";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("two-shot is not on the SYCL backend yet"),
-              std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("does not run FP8 outputs yet"), std::string::npos)
         << error.what();
   }
   sycl::queue out_of_order(harness.queue(0).get_context(), device);

@@ -10,7 +10,7 @@
 
 namespace tpfuse::impl {
 
-// One row call: a one-shot collective (exchange used), or the epilogue alone on one rank (local).
+// One row call: a one-shot or two-shot collective, or the epilogue alone on one rank (local).
 struct SyclRowCall {
   Exchange exchange;
   CallSignature signature;  // without the call number: the kernel folds its own in
@@ -23,6 +23,7 @@ struct SyclRowCall {
   int64_t hidden;
   float eps;
   int local;       // 1: no exchange (add_rmsnorm, a one-rank team)
+  int twoshot;     // 1: two-shot (lamport.h's TwoShotLayout), else one-shot
   uint64_t bound;  // the waits' bound: device clock ticks, or looks without a clock (rows.h)
 };
 

@@ -192,6 +192,54 @@ inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x
   return state;
 }
 
+// Finishes token `token`: each work-item's vectors of its rank sum (sum(v, index, acc) gives one
+// in fp32), + residual, rounded once into the output (on_rounded(v, rounded) sees each: the
+// two-shot owner sends it); with a norm, the rounded row is staged in norm_out, work-item 0 sums
+// its squares in element order from 0 (src/cpu/rows.cc's order: the same bits), and every
+// work-item normalizes its vectors. Every work-item of the group calls it (its barriers).
+template <typename T, typename Epilogue, typename Sum, typename OnRounded>
+void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t first, int64_t stride,
+                  int64_t token, Sum&& sum, OnRounded&& on_rounded) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  const auto* residual = static_cast<const Vec16*>(p.residual);
+  const auto* gamma = static_cast<const Vec16*>(p.gamma);
+  auto* residual_out = static_cast<Vec16*>(p.residual_out);
+  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  for (int64_t v = first; v < vectors; v += stride) {
+    const int64_t index = token * vectors + v;
+    float acc[kElements];
+    sum(v, index, acc);
+    float unused = 0.0f;
+    Vec16 residual_vector{};
+    if constexpr (Epilogue::kHasResidual) residual_vector = residual[index];
+    const Vec16 rounded = Epilogue::template round_sum<T>(acc, residual_vector, unused);
+    if constexpr (Epilogue::kHasNorm) {
+      if (residual_out != nullptr) residual_out[index] = rounded;
+    }
+    norm_out[index] = rounded;
+    on_rounded(v, rounded);
+  }
+  if constexpr (Epilogue::kHasNorm) {
+    sycl::group_barrier(group);
+    float sum_squares = 0.0f;
+    if (first == 0) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        float lanes[kElements];
+        unpack<T>(norm_out[token * vectors + v], lanes);
+        for (int l = 0; l < kElements; ++l) sum_squares += lanes[l] * lanes[l];
+      }
+    }
+    const float scale = sycl::group_broadcast(group, rms_scale(sum_squares, p.hidden, p.eps), 0);
+    for (int64_t v = first; v < vectors; v += stride) {
+      const int64_t index = token * vectors + v;
+      float lanes[kElements];
+      unpack<T>(norm_out[index], lanes);
+      norm_out[index] = Epilogue::template normalize<T>(lanes, gamma[v], scale);
+    }
+  }
+}
+
 template <typename T, typename Epilogue>
 void row_call(const SyclRowCall& p) {
   using Session = LamportSession<WorkGroupCoop>;
@@ -202,33 +250,51 @@ void row_call(const SyclRowCall& p) {
   const int64_t stride = int64_t(item.get_local_range(0));
   const Exchange& x = p.exchange;
   const bool local = p.local != 0;
+  const bool twoshot = !local && p.twoshot != 0;
   const int world = local ? 1 : x.world_size;
   const int rank = local ? 0 : x.rank;
   const int64_t vectors = p.hidden / kElements;
+  const uint64_t row_bytes = uint64_t(p.hidden) * sizeof(T);
   const auto* input = static_cast<const Vec16*>(p.input);
-  const auto* residual = static_cast<const Vec16*>(p.residual);
-  const auto* gamma = static_cast<const Vec16*>(p.gamma);
-  auto* residual_out = static_cast<Vec16*>(p.residual_out);
-  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  const TwoShotLayout layout(p.tokens, world);
 
   CallState state{};
   if (!local) state = group_call_state(group, x, first == 0);
   const Session session(state);
   if (!local && session.failed()) return;
   const CallSignature mine = sequenced_signature(p.signature, state.sequence);
+  const size_t send_offset = local ? 0 : session.send_offset(x);
+  // A peer's packet vector at `offset` bytes into its region of this rank's slot.
+  const auto packet_of = [&](int sender, uint64_t offset) {
+    return wait_packet(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset),
+                       x, session.received_header(x, sender), mine, sender, state.sequence,
+                       p.bound);
+  };
+  const auto nothing = [](int64_t, const Vec16&) {};
 
   if (!local) {
-    // 2. Send.
+    // 2. Send: the header, then one-shot's whole input to every peer, or two-shot's scatter
+    //    (each owner's tokens of the input, to it).
     if (first < world && first != rank) {
       store_vector(reinterpret_cast<Vec16*>(x.workspace[first] + session.header_send_offset(x)),
                    mine.header);
     }
-    const size_t send_offset = session.send_offset(x);
-    for (int64_t i = first; i < p.tokens * vectors; i += stride) {
-      const Vec16 packet = rewrite_sentinel(input[i]);
-      for (int r = 0; r < world; ++r) {
-        if (r != rank)
-          store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
+    if (twoshot) {
+      for (int owner = 0; owner < world; ++owner) {
+        if (owner == rank) continue;
+        const Vec16* rows = input + layout.begin(owner) * vectors;
+        auto* region = reinterpret_cast<Vec16*>(x.workspace[owner] + send_offset);
+        for (int64_t i = first; i < layout.count(owner) * vectors; i += stride) {
+          store_vector(region + i, rewrite_sentinel(rows[i]));  // scatter rows from 0
+        }
+      }
+    } else {
+      for (int64_t i = first; i < p.tokens * vectors; i += stride) {
+        const Vec16 packet = rewrite_sentinel(input[i]);
+        for (int r = 0; r < world; ++r) {
+          if (r != rank)
+            store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
+        }
       }
     }
     // Every work-item's sends before any work-item's polls. A work-item receives vectors that
@@ -238,54 +304,64 @@ void row_call(const SyclRowCall& p) {
     // forever (found with rows of 224 vectors: a timeout on every call).
     sycl::group_barrier(group);
     // 3. Arrive (work-item 0 alone read the state it moves), clear.
-    if (first == 0) session.arrive(x.control, uint64_t(p.tokens * p.hidden) * sizeof(T));
+    if (first == 0) {
+      session.arrive(x.control,
+                     twoshot ? layout.sender_bytes(row_bytes) : uint64_t(p.tokens) * row_bytes);
+    }
     session.clear_previous(x);
   }
 
-  // 4. Receive and finish, a token at a time.
-  for (int64_t token = 0; token < p.tokens; ++token) {
-    for (int64_t v = first; v < vectors; v += stride) {
-      const int64_t index = token * vectors + v;
-      float acc[kElements];
-      for (int sender = 0; sender < world; ++sender) {
-        const Vec16 packet =
-            sender == rank
-                ? rewrite_sentinel(input[index])
-                : wait_packet(
-                      reinterpret_cast<const Vec16*>(session.receive_region(x, sender)) + index, x,
-                      session.received_header(x, sender), mine, sender, state.sequence, p.bound);
-        if (sender == 0) {
-          accumulate_first<T>(acc, packet);
-        } else {
-          accumulate<T>(acc, packet);
-        }
+  // 4. Receive and finish, a token at a time: one-shot every token from every rank's packets
+  //    (its own from its input); two-shot the owned tokens from the scattered rows, each rounded
+  //    row sent to every peer (all-gather), then, after a barrier (every gather sent before any
+  //    is polled: as above), the peers' tokens from their rounded rows (Epilogue::Gathered).
+  const auto rank_sum = [&](int64_t v, int64_t index, uint64_t offset, float(&acc)[kElements]) {
+    for (int sender = 0; sender < world; ++sender) {
+      const Vec16 packet = sender == rank ? rewrite_sentinel(input[index])
+                                          : packet_of(sender, offset + uint64_t(v) * 16);
+      if (sender == 0) {
+        accumulate_first<T>(acc, packet);
+      } else {
+        accumulate<T>(acc, packet);
       }
-      float unused = 0.0f;
-      Vec16 residual_vector{};
-      if constexpr (Epilogue::kHasResidual) residual_vector = residual[index];
-      const Vec16 rounded = Epilogue::template round_sum<T>(acc, residual_vector, unused);
-      if constexpr (Epilogue::kHasNorm) {
-        if (residual_out != nullptr) residual_out[index] = rounded;
-      }
-      norm_out[index] = rounded;
     }
-    if constexpr (Epilogue::kHasNorm) {
-      sycl::group_barrier(group);
-      // The sum of squares of the rounded row in element order from 0 (src/cpu/rows.cc's).
-      float sum_squares = 0.0f;
-      if (first == 0) {
-        for (int64_t v = 0; v < vectors; ++v) {
-          float lanes[kElements];
-          unpack<T>(norm_out[token * vectors + v], lanes);
-          for (int l = 0; l < kElements; ++l) sum_squares += lanes[l] * lanes[l];
-        }
-      }
-      const float scale = sycl::group_broadcast(group, rms_scale(sum_squares, p.hidden, p.eps), 0);
-      for (int64_t v = first; v < vectors; v += stride) {
-        const int64_t index = token * vectors + v;
-        float lanes[kElements];
-        unpack<T>(norm_out[index], lanes);
-        norm_out[index] = Epilogue::template normalize<T>(lanes, gamma[v], scale);
+  };
+  if (!twoshot) {
+    for (int64_t token = 0; token < p.tokens; ++token) {
+      finish_token<T, Epilogue>(
+          p, group, first, stride, token,
+          [&](int64_t v, int64_t index, float(&acc)[kElements]) {
+            rank_sum(v, index, uint64_t(token) * row_bytes, acc);
+          },
+          nothing);
+    }
+  } else {
+    for (int64_t local_row = 0; local_row < layout.count(rank); ++local_row) {
+      finish_token<T, Epilogue>(
+          p, group, first, stride, layout.begin(rank) + local_row,
+          [&](int64_t v, int64_t index, float(&acc)[kElements]) {
+            rank_sum(v, index, layout.scatter_row(local_row, row_bytes), acc);
+          },
+          [&](int64_t v, const Vec16& rounded) {
+            for (int r = 0; r < world; ++r) {
+              if (r == rank) continue;
+              auto* gather = reinterpret_cast<Vec16*>(x.workspace[r] + send_offset +
+                                                      layout.gather_row(local_row, row_bytes));
+              store_vector(gather + v, rounded);  // canonical: no word is the sentinel
+            }
+          });
+    }
+    sycl::group_barrier(group);
+    for (int owner = 0; owner < world; ++owner) {
+      if (owner == rank) continue;
+      for (int64_t local_row = 0; local_row < layout.count(owner); ++local_row) {
+        finish_token<T, typename Epilogue::Gathered>(
+            p, group, first, stride, layout.begin(owner) + local_row,
+            [&](int64_t v, int64_t, float(&acc)[kElements]) {
+              accumulate_first<T>(acc, packet_of(owner, layout.gather_row(local_row, row_bytes) +
+                                                            uint64_t(v) * 16));
+            },
+            nothing);
       }
     }
   }
