@@ -119,7 +119,8 @@ class Team {
   int rank() const;
   int world_size() const;
   Backend backend() const;
-  // The device ordinal of this rank (CUDA: its device; -1 for the CPU backend).
+  // The device ordinal of this rank (CUDA: its device; SYCL: its index in
+  // sycl::device::get_devices(); -1 for the CPU backend).
   int device() const;
   size_t packet_bytes() const;
   // Most tokens a call of this width and dtype can carry with `algorithm` (one-shot:
@@ -136,8 +137,9 @@ class Team {
   const std::string& fallback_reason() const;
   // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
   // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
-  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), or
-  // "none" (NCCL only).
+  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), "sycl usm"
+  // (SYCL ranks sharing one device) or "sycl peer access" (several SYCL devices), or "none" (NCCL
+  // only).
   const std::string& peer_memory() const;
   // Synchronizes with the rank's device work, then throws tpfuse::Error if the team failed: a
   // peer did not arrive in time (naming it), a peer's call disagreed with this rank's (naming the
