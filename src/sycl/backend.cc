@@ -1,7 +1,7 @@
 // The SYCL backend's BackendOps: per-call checks of the queue and the memory, and each call as
 // one kernel submission (src/sycl/device/rows.h) on the call's queue, with no host wait. A call's
 // Stream carries a sycl::queue* (tpfuse/sycl.h); an empty one is the rank's own in-order queue.
-// What the backend does not run yet (the FP8 outputs, the MoE finalize, the QK norm)
+// What the backend does not run yet (the MoE finalize, the QK norm)
 // is an error naming it, never a silent fallback.
 #include <sstream>
 #include <string>
@@ -22,18 +22,25 @@ bool sycl_available() {
 namespace impl {
 
 int sycl_epilogue_index(const RowEpilogueKind& epilogue) {
-  if (epilogue.quant || epilogue.moe) return -1;
+  if (epilogue.moe) return -1;
   if (!epilogue.norm) return 0;
   const int weight = epilogue.weight == NormWeight::kOnePlusGamma ? 2 : 0;
-  return 1 + weight + (epilogue.residual ? 1 : 0);
+  return 1 + weight + (epilogue.residual ? 1 : 0) + (epilogue.quant ? 4 : 0);
 }
 
 namespace {
 
 // The kernels' names: tpf_sycl_rows_<dtype>_<epilogue> (rows.h), by DType and epilogue index.
 const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
-const char* const kEpilogueNames[kSyclRowEpilogues] = {"sum", "norm", "residual_norm", "norm_1pg",
-                                                       "residual_norm_1pg"};
+const char* const kEpilogueNames[kSyclRowEpilogues] = {"sum",
+                                                       "norm",
+                                                       "residual_norm",
+                                                       "norm_1pg",
+                                                       "residual_norm_1pg",
+                                                       "norm_q",
+                                                       "residual_norm_q",
+                                                       "norm_1pg_q",
+                                                       "residual_norm_1pg_q"};
 
 // Work-items of a call's work-group: enough to spread a row, within what the device allows.
 constexpr size_t kGroupSize = 128;
@@ -121,6 +128,11 @@ SyclRowCall row_params(const RowCall& call, bool local, bool twoshot, uint64_t b
   p.tokens = call.tokens;
   p.hidden = call.hidden;
   p.eps = call.eps;
+  p.quant = int(call.quant);
+  p.quant_out = call.quant_out;
+  p.quant_scale = call.quant_scale;
+  p.scales_out = call.scales_out;
+  p.scales_column_major = call.scales_column_major ? 1 : 0;
   p.local = local ? 1 : 0;
   p.twoshot = twoshot ? 1 : 0;
   p.bound = bound;
@@ -131,9 +143,8 @@ const sycl::kernel& row_kernel(const SyclKernels& kernels, DType dtype,
                                const RowEpilogueKind& epilogue, const char* op) {
   const int index = sycl_epilogue_index(epilogue);
   if (index < 0) {
-    TPF_FAIL(op << ": the SYCL backend does not run "
-                << (epilogue.moe ? "the MoE finalize" : "FP8 outputs")
-                << " yet (issue 42; the CPU and CUDA backends do)");
+    TPF_FAIL(op << ": the SYCL backend does not run the MoE finalize yet (issue 42; the CPU and "
+                   "CUDA backends do)");
   }
   return kernels.row(dtype, index);
 }
@@ -210,6 +221,11 @@ class SyclBackend final : public BackendOps {
   void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                       Stream stream) const override {
     sycl::queue& queue = *queue_of(stream);  // validate_call: a local call has one
+    if (epilogue.quant && call.norm_out == nullptr && call.residual_out == nullptr) {
+      TPF_FAIL(
+          "add_rmsnorm: the SYCL backend's local FP8 output needs norm_out or residual_out "
+          "(where the row is staged) yet");
+    }
     const SyclKernels& kernels = sycl_kernels(queue.get_context(), queue.get_device());
     submit(queue, row_kernel(kernels, dtype, epilogue, "add_rmsnorm"), kernels.group_size,
            row_params(call, true, false, 0), "add_rmsnorm");

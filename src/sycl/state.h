@@ -19,8 +19,8 @@ class BackendOps;
 const BackendOps& sycl_backend();
 
 // The row epilogues the SYCL kernels are built for, in the order of SyclKernels::rows; -1 for
-// one they are not (yet): the FP8 outputs and the MoE finalize.
-constexpr int kSyclRowEpilogues = 5;
+// one they are not (yet): the MoE finalize.
+constexpr int kSyclRowEpilogues = 9;
 int sycl_epilogue_index(const RowEpilogueKind& epilogue);
 
 // The backend's kernels (src/sycl/device/rows.h) for one device of one context, compiled once,

@@ -125,6 +125,16 @@ size_t differing_elements(const HostTensor& a, const HostTensor& b) {
   return differ;
 }
 
+// The FP8 outputs in every mode (tests/common/oneshot_properties.h's check_fp8_outputs: the
+// definition's bytes and scales from norm_out as stored, the same norm_out as without FP8, and
+// the FP8 output alone, nothing written where the norm would go), one-shot and two-shot.
+TEST_F(SyclProperties, Fp8OutputsMatchTheirDefinition) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_fp8_outputs(*harness_, 1550 + uint64_t(algorithm), 12);
+  }
+}
+
 // Where the reference defines the bits (the rank sum in rank order, one rounding) the SYCL
 // backend gives the CPU backend's, and in the norm too (the same element order of the sum of
 // squares): random shapes of every dtype and epilogue, one-shot and two-shot, half of them with
@@ -362,25 +372,25 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
   SyclHarness harness(two_ranks(device));
   void* a = harness.allocate(0, 1024);
   void* b = harness.allocate(0, 1024);
-  // FP8 outputs: refused by the one rank that asks, before it takes a turn (a peer making the
-  // same call is refused alike).
-  void* c = harness.allocate(0, 1024);
-  void* scale = harness.allocate(0, 16);
-  AddRmsNormArgs fp8;
-  fp8.input = a;
-  fp8.gamma = b;
-  fp8.norm_out = c;
-  fp8.quant = QuantMode::kStatic;
-  fp8.quant_out = harness.allocate(0, 1024);
-  fp8.quant_scale = static_cast<const float*>(scale);
-  fp8.tokens = 1;
-  fp8.hidden = 128;
-  fp8.dtype = DType::kBFloat16;
+  // The MoE finalize: refused by the one rank that asks, before it takes a turn (a peer making
+  // the same call is refused alike).
+  AddRmsNormArgs moe;
+  moe.moe_expert_rows = harness.allocate(0, 1024);
+  moe.moe_weights = harness.allocate(0, 64);
+  moe.moe_topk = 1;
+  moe.residual = harness.allocate(0, 1024);
+  moe.residual_out = harness.allocate(0, 1024);
+  moe.gamma = b;
+  moe.norm_out = harness.allocate(0, 1024);
+  moe.tokens = 1;
+  moe.hidden = 128;
+  moe.dtype = DType::kBFloat16;
   try {
-    allreduce_add_rmsnorm(harness.team()[0], fp8, harness.queue(0));
-    FAIL() << "an FP8 output ran";
+    allreduce_add_rmsnorm(harness.team()[0], moe, harness.queue(0));
+    FAIL() << "the MoE finalize ran";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("does not run FP8 outputs yet"), std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("does not run the MoE finalize yet"),
+              std::string::npos)
         << error.what();
   }
   sycl::queue out_of_order(harness.queue(0).get_context(), device);

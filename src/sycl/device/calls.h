@@ -22,6 +22,12 @@ struct SyclRowCall {
   int64_t tokens;
   int64_t hidden;
   float eps;
+  // The FP8 output (epilogues with kHasQuant): AddRmsNormArgs' fields, quant a QuantMode.
+  int quant;
+  void* quant_out;
+  const float* quant_scale;
+  float* scales_out;
+  int scales_column_major;
   int local;       // 1: no exchange (add_rmsnorm, a one-rank team)
   int twoshot;     // 1: two-shot (lamport.h's TwoShotLayout), else one-shot
   uint64_t bound;  // the waits' bound: device clock ticks, or looks without a clock (rows.h)

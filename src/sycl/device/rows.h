@@ -194,18 +194,25 @@ inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x
 
 // Finishes token `token`: each work-item's vectors of its rank sum (sum(v, index, acc) gives one
 // in fp32), + residual, rounded once into the output (on_rounded(v, rounded) sees each: the
-// two-shot owner sends it); with a norm, the rounded row is staged in norm_out, work-item 0 sums
-// its squares in element order from 0 (src/cpu/rows.cc's order: the same bits), and every
-// work-item normalizes its vectors. Every work-item of the group calls it (its barriers).
+// two-shot owner sends it). With a norm, the rounded row is staged (in norm_out, else
+// residual_out, else `scratch`: one row), work-item 0 sums its squares in element order from 0
+// (src/cpu/rows.cc's order: the same bits), and every work-item normalizes its vectors. With an
+// FP8 output (kHasQuant), work-item 0 first takes the token's or each group's largest magnitude
+// of the normalized row (recomputed from the stage: max is exact in any order) and writes the
+// dynamic scales; after a barrier every work-item quantizes its normalized vectors
+// (epilogue.h's quantize_vector). Every work-item of the group calls it (its barriers).
 template <typename T, typename Epilogue, typename Sum, typename OnRounded>
 void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t first, int64_t stride,
-                  int64_t token, Sum&& sum, OnRounded&& on_rounded) {
+                  int64_t token, Vec16* scratch, Sum&& sum, OnRounded&& on_rounded) {
   constexpr int kElements = Packed<T>::kElements;
   const int64_t vectors = p.hidden / kElements;
   const auto* residual = static_cast<const Vec16*>(p.residual);
   const auto* gamma = static_cast<const Vec16*>(p.gamma);
   auto* residual_out = static_cast<Vec16*>(p.residual_out);
   auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  Vec16* const stage = norm_out != nullptr       ? norm_out + token * vectors
+                       : residual_out != nullptr ? residual_out + token * vectors
+                                                 : scratch;
   for (int64_t v = first; v < vectors; v += stride) {
     const int64_t index = token * vectors + v;
     float acc[kElements];
@@ -217,7 +224,7 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
     if constexpr (Epilogue::kHasNorm) {
       if (residual_out != nullptr) residual_out[index] = rounded;
     }
-    norm_out[index] = rounded;
+    stage[v] = rounded;
     on_rounded(v, rounded);
   }
   if constexpr (Epilogue::kHasNorm) {
@@ -226,16 +233,62 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
     if (first == 0) {
       for (int64_t v = 0; v < vectors; ++v) {
         float lanes[kElements];
-        unpack<T>(norm_out[token * vectors + v], lanes);
+        unpack<T>(stage[v], lanes);
         for (int l = 0; l < kElements; ++l) sum_squares += lanes[l] * lanes[l];
       }
     }
     const float scale = sycl::group_broadcast(group, rms_scale(sum_squares, p.hidden, p.eps), 0);
+    const auto normalized = [&](int64_t v) {
+      float lanes[kElements];
+      unpack<T>(stage[v], lanes);
+      return Epilogue::template normalize<T>(lanes, gamma[v], scale);
+    };
+    float quant_scale = 0.0f;
+    const QuantMode mode = QuantMode(p.quant);
+    if constexpr (Epilogue::kHasQuant) {
+      constexpr int64_t kGroupVectors = kQuantGroupSize / kElements;
+      const int64_t groups = p.hidden / kQuantGroupSize;
+      float token_scale = 0.0f;
+      if (first == 0) {
+        if (mode == QuantMode::kStatic) {
+          token_scale = *p.quant_scale;
+        } else if (mode == QuantMode::kPerToken) {
+          float amax = 0.0f;
+          for (int64_t v = 0; v < vectors; ++v) amax = fmaxf(amax, vector_amax<T>(normalized(v)));
+          token_scale = dynamic_scale(amax);
+          p.scales_out[token] = token_scale;
+        } else {
+          for (int64_t g = 0; g < groups; ++g) {
+            float amax = 0.0f;
+            for (int64_t v = g * kGroupVectors; v < (g + 1) * kGroupVectors; ++v) {
+              amax = fmaxf(amax, vector_amax<T>(normalized(v)));
+            }
+            p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] =
+                dynamic_scale(amax);
+          }
+        }
+      }
+      quant_scale = sycl::group_broadcast(group, token_scale, 0);
+      sycl::group_barrier(group);  // the group scales in scales_out, read below
+    }
+    // Every work-item's normalized vectors (norm_out may be the stage: each rewrites only its own
+    // vectors, which work-item 0 has read by now).
     for (int64_t v = first; v < vectors; v += stride) {
       const int64_t index = token * vectors + v;
-      float lanes[kElements];
-      unpack<T>(norm_out[index], lanes);
-      norm_out[index] = Epilogue::template normalize<T>(lanes, gamma[v], scale);
+      const Vec16 out = normalized(v);
+      if (norm_out != nullptr) norm_out[index] = out;
+      if constexpr (Epilogue::kHasQuant) {
+        const int64_t groups = p.hidden / kQuantGroupSize;
+        const int64_t group_index = v * kElements / kQuantGroupSize;
+        const float divisor_scale =
+            mode != QuantMode::kPerTokenGroup128
+                ? quant_scale
+                : p.scales_out[p.scales_column_major ? group_index * p.tokens + token
+                                                     : token * groups + group_index];
+        const QuantBytes<T> bytes = quantize_vector<T>(out, fp8_divisor(divisor_scale));
+        uint8_t* const to = static_cast<uint8_t*>(p.quant_out) + token * p.hidden + v * kElements;
+        for (int i = 0; i < kElements; ++i) to[i] = bytes.bytes[i];
+      }
     }
   }
 }
@@ -271,6 +324,10 @@ void row_call(const SyclRowCall& p) {
                        p.bound);
   };
   const auto nothing = [](int64_t, const Vec16&) {};
+  // One row of scratch for an FP8 call that writes neither norm_out nor residual_out: this rank's
+  // own sender region of the slot, which no rank stores into in a row call (lamport.h).
+  Vec16* const scratch =
+      local ? nullptr : reinterpret_cast<Vec16*>(x.workspace[rank] + send_offset);
 
   if (!local) {
     // 2. Send: the header, then one-shot's whole input to every peer, or two-shot's scatter
@@ -329,7 +386,7 @@ void row_call(const SyclRowCall& p) {
   if (!twoshot) {
     for (int64_t token = 0; token < p.tokens; ++token) {
       finish_token<T, Epilogue>(
-          p, group, first, stride, token,
+          p, group, first, stride, token, scratch,
           [&](int64_t v, int64_t index, float(&acc)[kElements]) {
             rank_sum(v, index, uint64_t(token) * row_bytes, acc);
           },
@@ -338,7 +395,7 @@ void row_call(const SyclRowCall& p) {
   } else {
     for (int64_t local_row = 0; local_row < layout.count(rank); ++local_row) {
       finish_token<T, Epilogue>(
-          p, group, first, stride, layout.begin(rank) + local_row,
+          p, group, first, stride, layout.begin(rank) + local_row, scratch,
           [&](int64_t v, int64_t index, float(&acc)[kElements]) {
             rank_sum(v, index, layout.scatter_row(local_row, row_bytes), acc);
           },
@@ -356,7 +413,7 @@ void row_call(const SyclRowCall& p) {
       if (owner == rank) continue;
       for (int64_t local_row = 0; local_row < layout.count(owner); ++local_row) {
         finish_token<T, typename Epilogue::Gathered>(
-            p, group, first, stride, layout.begin(owner) + local_row,
+            p, group, first, stride, layout.begin(owner) + local_row, scratch,
             [&](int64_t v, int64_t, float(&acc)[kElements]) {
               accumulate_first<T>(acc, packet_of(owner, layout.gather_row(local_row, row_bytes) +
                                                             uint64_t(v) * 16));
@@ -439,6 +496,10 @@ using Norm = RowEpilogue<false, true>;
 using ResidualNorm = RowEpilogue<true, true>;
 using NormOnePlusGamma = RowEpilogue<false, true, NormWeight::kOnePlusGamma>;
 using ResidualNormOnePlusGamma = RowEpilogue<true, true, NormWeight::kOnePlusGamma>;
+using NormQuant = RowEpilogue<false, true, NormWeight::kGamma, true>;
+using ResidualNormQuant = RowEpilogue<true, true, NormWeight::kGamma, true>;
+using NormOnePlusGammaQuant = RowEpilogue<false, true, NormWeight::kOnePlusGamma, true>;
+using ResidualNormOnePlusGammaQuant = RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>;
 }  // namespace tpfuse::impl::sycl_kernels
 
 // The kernels, by name (src/sycl/backend.cc looks them up): tpf_sycl_rows_<dtype>_<epilogue>.
@@ -448,12 +509,16 @@ using ResidualNormOnePlusGamma = RowEpilogue<true, true, NormWeight::kOnePlusGam
       tpf_sycl_rows_##dtype_name##_##epilogue_name(tpfuse::impl::SyclRowCall p) {    \
     tpfuse::impl::sycl_device::row_call<T, tpfuse::impl::sycl_kernels::Epilogue>(p); \
   }
-#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                       \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                    \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                  \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm) \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)  \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma)
+#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                                       \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                                    \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm)                 \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma) \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_q, NormQuant)                           \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q, ResidualNormQuant)          \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg_q, NormOnePlusGammaQuant)           \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg_q, ResidualNormOnePlusGammaQuant)
 
 TPF_SYCL_ROW_KERNELS(f32, float)
 TPF_SYCL_ROW_KERNELS(f16, tpfuse::impl::Float16)
