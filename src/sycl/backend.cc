@@ -1,7 +1,7 @@
 // The SYCL backend's BackendOps: per-call checks of the queue and the memory, and each call as
 // one kernel submission (src/sycl/device/rows.h) on the call's queue, with no host wait. A call's
 // Stream carries a sycl::queue* (tpfuse/sycl.h); an empty one is the rank's own in-order queue.
-// What the backend does not run yet (the MoE finalize, the QK norm)
+// What the backend does not run yet (the QK norm)
 // is an error naming it, never a silent fallback.
 #include <sstream>
 #include <string>
@@ -22,7 +22,7 @@ bool sycl_available() {
 namespace impl {
 
 int sycl_epilogue_index(const RowEpilogueKind& epilogue) {
-  if (epilogue.moe) return -1;
+  if (epilogue.moe) return epilogue.quant ? 10 : 9;  // with a residual and gamma (validated)
   if (!epilogue.norm) return 0;
   const int weight = epilogue.weight == NormWeight::kOnePlusGamma ? 2 : 0;
   return 1 + weight + (epilogue.residual ? 1 : 0) + (epilogue.quant ? 4 : 0);
@@ -40,7 +40,9 @@ const char* const kEpilogueNames[kSyclRowEpilogues] = {"sum",
                                                        "norm_q",
                                                        "residual_norm_q",
                                                        "norm_1pg_q",
-                                                       "residual_norm_1pg_q"};
+                                                       "residual_norm_1pg_q",
+                                                       "residual_norm_moe",
+                                                       "residual_norm_q_moe"};
 
 // Work-items of a call's work-group: enough to spread a row, within what the device allows.
 constexpr size_t kGroupSize = 128;
@@ -133,6 +135,11 @@ SyclRowCall row_params(const RowCall& call, bool local, bool twoshot, uint64_t b
   p.quant_scale = call.quant_scale;
   p.scales_out = call.scales_out;
   p.scales_column_major = call.scales_column_major ? 1 : 0;
+  p.moe_rows = call.moe_rows;
+  p.moe_weights = call.moe_weights;
+  p.moe_shared = call.moe_shared;
+  p.moe_topk = call.moe_topk;
+  p.moe_weights_in_dtype = call.moe_weights_in_dtype ? 1 : 0;
   p.local = local ? 1 : 0;
   p.twoshot = twoshot ? 1 : 0;
   p.bound = bound;
@@ -142,10 +149,7 @@ SyclRowCall row_params(const RowCall& call, bool local, bool twoshot, uint64_t b
 const sycl::kernel& row_kernel(const SyclKernels& kernels, DType dtype,
                                const RowEpilogueKind& epilogue, const char* op) {
   const int index = sycl_epilogue_index(epilogue);
-  if (index < 0) {
-    TPF_FAIL(op << ": the SYCL backend does not run the MoE finalize yet (issue 42; the CPU and "
-                   "CUDA backends do)");
-  }
+  TPF_CHECK_ARG(index >= 0, op, "the SYCL backend has no kernel for this epilogue");
   return kernels.row(dtype, index);
 }
 

@@ -18,9 +18,9 @@ namespace tpfuse::impl {
 class BackendOps;
 const BackendOps& sycl_backend();
 
-// The row epilogues the SYCL kernels are built for, in the order of SyclKernels::rows; -1 for
-// one they are not (yet): the MoE finalize.
-constexpr int kSyclRowEpilogues = 9;
+// The row epilogues the SYCL kernels are built for (epilogue.h's RowEpilogues), in the order of
+// SyclKernels::rows.
+constexpr int kSyclRowEpilogues = 11;
 int sycl_epilogue_index(const RowEpilogueKind& epilogue);
 
 // The backend's kernels (src/sycl/device/rows.h) for one device of one context, compiled once,

@@ -135,6 +135,24 @@ TEST_F(SyclProperties, Fp8OutputsMatchTheirDefinition) {
   }
 }
 
+// The MoE finalize (check_moe_finalize: against the float64 reference of the contributions,
+// the same bits as the call given them as input, with and without FP8), one-shot and two-shot.
+TEST_F(SyclProperties, MoeFinalizeMatchesItsDefinition) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_moe_finalize(*harness_, 1560 + uint64_t(algorithm), 8);
+  }
+}
+
+// The FP8 and MoE calls made again and again on fresh inputs (check_graph_replays; no SYCL graph
+// yet: each replay is the call), outputs poisoned before each.
+TEST_F(SyclProperties, Fp8AndMoeCallsOnFreshInputs) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_graph_replays(*harness_, 1570 + uint64_t(algorithm));
+  }
+}
+
 // Where the reference defines the bits (the rank sum in rank order, one rounding) the SYCL
 // backend gives the CPU backend's, and in the norm too (the same element order of the sum of
 // squares): random shapes of every dtype and epilogue, one-shot and two-shot, half of them with
@@ -372,27 +390,6 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
   SyclHarness harness(two_ranks(device));
   void* a = harness.allocate(0, 1024);
   void* b = harness.allocate(0, 1024);
-  // The MoE finalize: refused by the one rank that asks, before it takes a turn (a peer making
-  // the same call is refused alike).
-  AddRmsNormArgs moe;
-  moe.moe_expert_rows = harness.allocate(0, 1024);
-  moe.moe_weights = harness.allocate(0, 64);
-  moe.moe_topk = 1;
-  moe.residual = harness.allocate(0, 1024);
-  moe.residual_out = harness.allocate(0, 1024);
-  moe.gamma = b;
-  moe.norm_out = harness.allocate(0, 1024);
-  moe.tokens = 1;
-  moe.hidden = 128;
-  moe.dtype = DType::kBFloat16;
-  try {
-    allreduce_add_rmsnorm(harness.team()[0], moe, harness.queue(0));
-    FAIL() << "the MoE finalize ran";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("does not run the MoE finalize yet"),
-              std::string::npos)
-        << error.what();
-  }
   sycl::queue out_of_order(harness.queue(0).get_context(), device);
   std::vector<float> host(64);
   // Each rejected call takes its turn: rank 1 takes its turn too, as a rejection.
@@ -411,6 +408,18 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
            "must be in order");
   rejected([&] { allreduce(harness.team()[0], host.data(), b, 64, DType::kFloat32); },
            "input must be USM memory");
+  // The QK norm: rejected (a turn taken), not yet on the SYCL backend.
+  QkNormArgs qk;
+  qk.qkv = harness.allocate(0, 4 * 256 * 2);
+  qk.q_gamma = harness.allocate(0, 256);
+  qk.k_gamma = harness.allocate(0, 256);
+  qk.tokens = 2;
+  qk.q_size = 128;
+  qk.kv_size = 64;
+  qk.q_global_size = 256;
+  qk.k_global_size = 128;
+  rejected([&] { allreduce_qk_rmsnorm(harness.team()[0], qk, sycl_stream(harness.queue(0))); },
+           "does not run the QK norm yet");
 }
 
 TEST(SyclFaults, ABuildWithTheBackendSaysSo) {

@@ -28,6 +28,12 @@ struct SyclRowCall {
   const float* quant_scale;
   float* scales_out;
   int scales_column_major;
+  // The MoE finalize in place of input (epilogues with kHasMoe): AddRmsNormArgs' fields.
+  const void* moe_rows;
+  const void* moe_weights;
+  const void* moe_shared;
+  int moe_topk;
+  int moe_weights_in_dtype;
   int local;       // 1: no exchange (add_rmsnorm, a one-rank team)
   int twoshot;     // 1: two-shot (lamport.h's TwoShotLayout), else one-shot
   uint64_t bound;  // the waits' bound: device clock ticks, or looks without a clock (rows.h)

@@ -192,6 +192,30 @@ inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x
   return state;
 }
 
+// Vector v of token `token`'s contribution to the sum: its input, or (kHasMoe) the MoE combine of
+// its expert rows, sum_j w_j * x_j in fp32 in j order plus the shared row, packed once
+// (epilogue.h's steps, as the CPU's and the GPU's combine).
+template <typename T, typename Epilogue>
+Vec16 contribution(const SyclRowCall& p, int64_t token, int64_t v) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  if constexpr (Epilogue::kHasMoe) {
+    const auto* rows = static_cast<const Vec16*>(p.moe_rows);
+    float acc[kElements];
+    for (int j = 0; j < p.moe_topk; ++j) {
+      const int64_t row = token * p.moe_topk + j;
+      const float w = moe_weight<T>(p.moe_weights, p.moe_weights_in_dtype != 0, row);
+      moe_accumulate<T>(acc, rows[row * vectors + v], w, j == 0);
+    }
+    if (p.moe_shared != nullptr) {
+      moe_add_shared<T>(acc, static_cast<const Vec16*>(p.moe_shared)[token * vectors + v]);
+    }
+    return pack<T>(acc);
+  } else {
+    return static_cast<const Vec16*>(p.input)[token * vectors + v];
+  }
+}
+
 // Finishes token `token`: each work-item's vectors of its rank sum (sum(v, index, acc) gives one
 // in fp32), + residual, rounded once into the output (on_rounded(v, rounded) sees each: the
 // two-shot owner sends it). With a norm, the rounded row is staged (in norm_out, else
@@ -308,7 +332,6 @@ void row_call(const SyclRowCall& p) {
   const int rank = local ? 0 : x.rank;
   const int64_t vectors = p.hidden / kElements;
   const uint64_t row_bytes = uint64_t(p.hidden) * sizeof(T);
-  const auto* input = static_cast<const Vec16*>(p.input);
   const TwoShotLayout layout(p.tokens, world);
 
   CallState state{};
@@ -339,15 +362,17 @@ void row_call(const SyclRowCall& p) {
     if (twoshot) {
       for (int owner = 0; owner < world; ++owner) {
         if (owner == rank) continue;
-        const Vec16* rows = input + layout.begin(owner) * vectors;
         auto* region = reinterpret_cast<Vec16*>(x.workspace[owner] + send_offset);
         for (int64_t i = first; i < layout.count(owner) * vectors; i += stride) {
-          store_vector(region + i, rewrite_sentinel(rows[i]));  // scatter rows from 0
+          const Vec16 packet =
+              contribution<T, Epilogue>(p, layout.begin(owner) + i / vectors, i % vectors);
+          store_vector(region + i, rewrite_sentinel(packet));  // scatter rows from 0
         }
       }
     } else {
       for (int64_t i = first; i < p.tokens * vectors; i += stride) {
-        const Vec16 packet = rewrite_sentinel(input[i]);
+        const Vec16 packet =
+            rewrite_sentinel(contribution<T, Epilogue>(p, i / vectors, i % vectors));
         for (int r = 0; r < world; ++r) {
           if (r != rank)
             store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
@@ -374,8 +399,9 @@ void row_call(const SyclRowCall& p) {
   //    is polled: as above), the peers' tokens from their rounded rows (Epilogue::Gathered).
   const auto rank_sum = [&](int64_t v, int64_t index, uint64_t offset, float(&acc)[kElements]) {
     for (int sender = 0; sender < world; ++sender) {
-      const Vec16 packet = sender == rank ? rewrite_sentinel(input[index])
-                                          : packet_of(sender, offset + uint64_t(v) * 16);
+      const Vec16 packet = sender == rank
+                               ? rewrite_sentinel(contribution<T, Epilogue>(p, index / vectors, v))
+                               : packet_of(sender, offset + uint64_t(v) * 16);
       if (sender == 0) {
         accumulate_first<T>(acc, packet);
       } else {
@@ -500,6 +526,8 @@ using NormQuant = RowEpilogue<false, true, NormWeight::kGamma, true>;
 using ResidualNormQuant = RowEpilogue<true, true, NormWeight::kGamma, true>;
 using NormOnePlusGammaQuant = RowEpilogue<false, true, NormWeight::kOnePlusGamma, true>;
 using ResidualNormOnePlusGammaQuant = RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>;
+using ResidualNormMoe = RowEpilogue<true, true, NormWeight::kGamma, false, true>;
+using ResidualNormQuantMoe = RowEpilogue<true, true, NormWeight::kGamma, true, true>;
 }  // namespace tpfuse::impl::sycl_kernels
 
 // The kernels, by name (src/sycl/backend.cc looks them up): tpf_sycl_rows_<dtype>_<epilogue>.
@@ -509,16 +537,18 @@ using ResidualNormOnePlusGammaQuant = RowEpilogue<true, true, NormWeight::kOnePl
       tpf_sycl_rows_##dtype_name##_##epilogue_name(tpfuse::impl::SyclRowCall p) {    \
     tpfuse::impl::sycl_device::row_call<T, tpfuse::impl::sycl_kernels::Epilogue>(p); \
   }
-#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                                       \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                                    \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                                  \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm)                 \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)                  \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma) \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_q, NormQuant)                           \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q, ResidualNormQuant)          \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg_q, NormOnePlusGammaQuant)           \
-  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg_q, ResidualNormOnePlusGammaQuant)
+#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                                              \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                                           \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                                         \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm)                        \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)                         \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma)        \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_q, NormQuant)                                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q, ResidualNormQuant)                 \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg_q, NormOnePlusGammaQuant)                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg_q, ResidualNormOnePlusGammaQuant) \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_moe, ResidualNormMoe)                 \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q_moe, ResidualNormQuantMoe)
 
 TPF_SYCL_ROW_KERNELS(f32, float)
 TPF_SYCL_ROW_KERNELS(f16, tpfuse::impl::Float16)
