@@ -1,7 +1,9 @@
 // The SYCL backend's kernels, compiled at run time by the kernel compiler (src/sycl/compiler.h)
 // from this file and the headers it includes, all embedded in the library (this one as
-// "tpfuse/sycl/rows.h"): the one-shot row collective (allreduce, allreduce_add_rmsnorm with gamma
-// or 1 + gamma), its local form, the absent call, and the calibration of the waits' bound.
+// "tpfuse/sycl/rows.h"): the row collectives one-shot and two-shot (allreduce,
+// allreduce_add_rmsnorm with every epilogue of epilogue.h's RowEpilogues: gamma or 1 + gamma,
+// the FP8 outputs, the MoE finalize), their local form, the absent call, and the calibrations of
+// the waits' bound.
 //
 // A call is one work-group: the rank's one participant of the Lamport session (session.h, with
 // tpfuse/sycl/exchange.h's WorkGroupCoop), its work-items spreading the sends, the clear, the
@@ -12,20 +14,24 @@
 //   1. work-item 0 reads the call state (read_call_state); the group takes it by broadcast. A
 //      failed team sends nothing and returns (its peers time out: every rank reports it);
 //   2. send: work-item r stores the call's header (its signature with the call number folded in,
-//      sequenced_signature) into rank r; then every packet of the input, sentinel words
-//      rewritten, into every peer's slot;
+//      sequenced_signature) into rank r; then the packets of the rank's contribution (its input,
+//      or its MoE combine), sentinel words rewritten: one-shot all of them to every peer,
+//      two-shot each owner's tokens to it (lamport.h's TwoShotLayout);
 //   3. after a group barrier (every send before any poll: see there), arrive (work-item 0: the
-//      only participant) and clear the previous call's slot. A rank's
-//      next call starts only once this one has ended (its queue is in order: validate_call);
-//   4. per token: each work-item sums its vectors over the ranks in rank order in fp32 (its own
-//      from its input), polling its peers' packets (wait_packet: a differing header, a failure of
-//      the team or the bound end the wait with NaN), and rounds them once (+ residual) into the
-//      output; with a norm, the rounded row is staged in norm_out, work-item 0 sums its squares in
-//      element order (the CPU backend's order: the same bits), and every work-item normalizes;
+//      only participant) and clear the previous call's slot. A rank's next call starts only once
+//      this one has ended (its queue is in order: validate_call);
+//   4. per token (finish_token): each work-item sums its vectors over the ranks in rank order in
+//      fp32 (its own term from its contribution), polling its peers' packets (wait_packet: a
+//      differing header, a failure of the team or the bound end the wait with NaN), and rounds
+//      them once (+ residual) into the output; with a norm, the rounded row is staged, work-item
+//      0 sums its squares in element order (the CPU backend's order: the same bits), and every
+//      work-item normalizes (and quantizes). Two-shot finishes its owned tokens so, sends each
+//      rounded vector to every peer, and after a second barrier finishes the peers' tokens from
+//      their rounded rows (Epilogue::Gathered);
 //   5. work-item r checks rank r's header (record_header: a rejection, a disagreement).
 // Memory ordering: every protocol word goes through exchange.h's release stores and acquire
-// loads. The staging in norm_out is read across work-items only after a group barrier (or the
-// broadcast that follows it), whose fence orders the group's global memory.
+// loads. A staged row is read across work-items only after a group barrier (or the broadcast
+// that follows it), whose fence orders the group's global memory.
 //
 // Waits are bounded by the device's clock where it has one (sycl_ext_oneapi_clock, device scope:
 // the host compiles with -DTPF_SYCL_CLOCK=1): SyclRowCall::bound is TeamOptions::
