@@ -1,7 +1,7 @@
-# The SYCL backend's groundwork (docs/sycl.md): TPFUSE_SYCL (AUTO, ON or OFF) finds Intel's SYCL
-# runtime (cmake/FindSyclRuntime.cmake) and builds tpfuse_sycl: the run-time kernel compiler
-# (src/sycl/compiler.h) and the library's headers embedded as text, from which the SYCL device
-# code is compiled when a program runs. No SYCL compiler is needed to build: the host code is
+# The SYCL backend (docs/sycl.md): TPFUSE_SYCL (AUTO, ON or OFF) finds Intel's SYCL runtime
+# (cmake/FindSyclRuntime.cmake) and builds src/sycl/ into tpfuse: the backend, the run-time kernel
+# compiler (src/sycl/compiler.h) and the library's headers embedded as text, from which the SYCL
+# device code is compiled when a program runs. No SYCL compiler is needed to build: the host code is
 # ordinary C++ against the runtime's headers. AUTO builds it where a runtime is found; a
 # machine without one builds exactly what it built before.
 set(TPFUSE_SYCL "AUTO" CACHE STRING "Build the SYCL parts: ON, OFF or AUTO (if Intel's SYCL \
@@ -81,14 +81,15 @@ if(TPFUSE_HAVE_SYCL)
   list(APPEND tpfuse_sycl_embedded
     "tpfuse/version.h=${PROJECT_BINARY_DIR}/generated/include/tpfuse/version.h")
 
-  add_library(tpfuse_sycl STATIC src/sycl/compiler.cc)
-  tpfuse_embed_texts(tpfuse_sycl library_headers ${tpfuse_sycl_embedded})
-  target_include_directories(tpfuse_sycl
-    PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src>
-    PRIVATE ${PROJECT_SOURCE_DIR}/src/sycl)
-  target_link_libraries(tpfuse_sycl PUBLIC tpfuse SyclRuntime::sycl)
-  target_compile_options(tpfuse_sycl PRIVATE -Wall -Wextra)
-  set_target_properties(tpfuse_sycl PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  # The SYCL backend is part of tpfuse (its registry line needs it): src/sycl/'s host code, the
+  # kernel compiler and the embedded headers its kernels are compiled from. tpfuse_sycl is what
+  # the SYCL tests link: tpfuse with the runtime and src/ on the include path.
+  target_sources(tpfuse PRIVATE src/sycl/backend.cc src/sycl/compiler.cc src/sycl/team.cc)
+  tpfuse_embed_texts(tpfuse library_headers ${tpfuse_sycl_embedded})
+  target_link_libraries(tpfuse PUBLIC $<BUILD_INTERFACE:SyclRuntime::sycl>)
+  add_library(tpfuse_sycl INTERFACE)
+  target_include_directories(tpfuse_sycl INTERFACE $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src>)
+  target_link_libraries(tpfuse_sycl INTERFACE tpfuse SyclRuntime::sycl)
   # Where the runtime's libraries are, for a program that runs on Intel's OpenCL CPU device: the
   # ICD loader is pointed at the CPU device's library (the wheel's .icd file names a placeholder
   # path) and <root>/lib goes on the loader path (its libOpenCL.so.1 has no RUNPATH).
@@ -96,4 +97,7 @@ if(TPFUSE_HAVE_SYCL)
   if(SyclRuntime_OPENCL_CPU_LIBRARY)
     list(APPEND TPFUSE_SYCL_RUN_ENVIRONMENT "OCL_ICD_FILENAMES=${SyclRuntime_OPENCL_CPU_LIBRARY}")
   endif()
+else()
+  # Without the runtime: no SYCL backend, and its entry points say so (src/sycl/not_built.cc).
+  target_sources(tpfuse PRIVATE src/sycl/not_built.cc)
 endif()

@@ -2,7 +2,8 @@
 //
 // The whole public contract is in this header. It has no dependency on torch, CUDA or NCCL:
 // tensors are raw pointers with a dtype and sizes, and work goes on the backend's stream, passed
-// as a Stream (tpfuse/cuda.h adds the forms that take CUDA's stream and NCCL's communicator).
+// as a Stream (tpfuse/cuda.h adds the forms that take CUDA's stream and NCCL's communicator;
+// tpfuse/sycl.h those that take a sycl::queue, and the SYCL teams over given devices).
 //
 //   Team        the ranks that reduce together and their symmetric workspace (one handle per rank).
 //   allreduce_add_rmsnorm   residual_out = sum_r(input_r) + residual;
@@ -43,11 +44,12 @@ namespace tpfuse {
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // What a team's calls run on. The values are fixed (the torch ops pass them as integers); a
 // backend a build lacks is an error naming it (cuda_available()).
-enum class Backend : int { kCpu = 0, kCuda = 1 };
+enum class Backend : int { kCpu = 0, kCuda = 1, kSycl = 2 };
 
 // The backend's stream (or queue) a call's work goes on, as an untyped handle: the CUDA stream
 // for the CUDA backend (null: the default stream; tpfuse/cuda.h has the entry points that take
-// CUDA's stream type), and empty for the CPU backend, whose calls run on the calling thread.
+// CUDA's stream type), a sycl::queue* for the SYCL backend (null: the rank's own in-order queue;
+// tpfuse/sycl.h), and empty for the CPU backend, whose calls run on the calling thread.
 struct Stream {
   void* handle = nullptr;
 };
@@ -117,7 +119,8 @@ class Team {
   int rank() const;
   int world_size() const;
   Backend backend() const;
-  // The device ordinal of this rank (CUDA: its device; -1 for the CPU backend).
+  // The device ordinal of this rank (CUDA: its device; SYCL: its index in
+  // sycl::device::get_devices(); -1 for the CPU backend).
   int device() const;
   size_t packet_bytes() const;
   // Most tokens a call of this width and dtype can carry with `algorithm` (one-shot:
@@ -134,8 +137,9 @@ class Team {
   const std::string& fallback_reason() const;
   // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
   // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
-  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), or
-  // "none" (NCCL only).
+  // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), "sycl usm"
+  // (SYCL ranks sharing one device) or "sycl peer access" (several SYCL devices), or "none" (NCCL
+  // only).
   const std::string& peer_memory() const;
   // Synchronizes with the rank's device work, then throws tpfuse::Error if the team failed: a
   // peer did not arrive in time (naming it), a peer's call disagreed with this rank's (naming the
@@ -280,6 +284,15 @@ void reject_call(const Team& team, Stream stream = {});
 // Whether this build has the CUDA backend, and how many devices the runtime sees (0 if none).
 bool cuda_available();
 int cuda_device_count();
+
+// Whether this build has the SYCL backend (Intel's SYCL runtime found at build time; kernels are
+// compiled when a team is made, from tpfuse's own headers: docs/sycl.md).
+bool sycl_available();
+// A SYCL team of world_size ranks of this process, every rank on the default SYCL device (ranks
+// share it through USM; tpfuse/sycl.h makes teams over given devices, and says what a team
+// needs). Refused, naming the ranks and the compute units, where the device cannot run that many
+// spinning ranks at once.
+std::vector<Team> create_sycl_team(int world_size, const TeamOptions& options = {});
 
 // The weight an RMSNorm applies: gamma, or 1 + gamma in fp32 (Gemma's and Qwen3-Next's form, whose
 // stored weight is centered on zero).

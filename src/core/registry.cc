@@ -1,5 +1,5 @@
-// The backends, one line each. A backend is a folder (src/cpu/, src/cuda/) that defines the
-// function its line names: its BackendOps, or null in a build without it (the folder's
+// The backends, one line each. A backend is a folder (src/cpu/, src/cuda/, src/sycl/) that defines
+// the function its line names: its BackendOps, or null in a build without it (the folder's
 // not_built.cc, compiled instead of the backend). Nothing else in the core names a backend.
 #include "core/backend.h"
 #include "core/error.h"
@@ -8,6 +8,7 @@ namespace tpfuse::impl {
 
 const BackendOps* cpu_backend_ops();   // src/cpu/backend.cc
 const BackendOps* cuda_backend_ops();  // src/cuda/backend.cu, or src/cuda/not_built.cc
+const BackendOps* sycl_backend_ops();  // src/sycl/backend.cc, or src/sycl/not_built.cc
 
 namespace {
 
@@ -21,6 +22,8 @@ struct RegisteredBackend {
 constexpr RegisteredBackend kBackends[] = {
     {Backend::kCpu, "CPU", "", cpu_backend_ops},
     {Backend::kCuda, "CUDA", "configured without nvcc", cuda_backend_ops},
+    {Backend::kSycl, "SYCL", "configured without Intel's SYCL runtime: TPFUSE_SYCL, docs/sycl.md",
+     sycl_backend_ops},
 };
 
 }  // namespace

@@ -101,11 +101,13 @@ inline std::vector<Disagreement> disagreements() {
   };
 }
 
-// Runs `calls` calls of add + RMSNorm (one-shot or two-shot, at most `max_tokens` tokens) with
-// faults injected at random; `make_team` replaces the harness's team after a disagreement has
-// failed it. Returns what was injected.
+// Runs `calls` calls of add + RMSNorm (one of the `fused` algorithms or, where the team has one,
+// the NCCL path; at most `max_tokens` tokens) with faults injected at random; `make_team`
+// replaces the harness's team after a disagreement has failed it. Returns what was injected.
 inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int64_t max_tokens,
-                                 const std::function<std::vector<Team>()>& make_team) {
+                                 const std::function<std::vector<Team>()>& make_team,
+                                 const std::vector<Algorithm>& fused = {Algorithm::kOneShot,
+                                                                        Algorithm::kTwoShot}) {
   std::mt19937_64 rng(seed);
   const int world = harness.world_size();
   const std::vector<BadArgument> bad = bad_arguments();
@@ -132,11 +134,9 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
     // whose ranks pass different counts, so there only faults that keep the count are drawn.
     const bool nccl =
         harness.team()[0].max_tokens(spec.hidden, spec.dtype, Algorithm::kNccl) >= spec.tokens;
-    const int paths = nccl ? 3 : 2;
+    const int paths = int(fused.size()) + (nccl ? 1 : 0);
     const int path = int(rng() % uint64_t(paths));
-    spec.algorithm = path == 0   ? Algorithm::kOneShot
-                     : path == 1 ? Algorithm::kTwoShot
-                                 : Algorithm::kNccl;
+    spec.algorithm = path < int(fused.size()) ? fused[size_t(path)] : Algorithm::kNccl;
     const CaseData data = random_case(rng, spec, world);
     const int faulty = int(rng() % uint64_t(world));
     const int kind = int(rng() % 8);  // 0: a bad argument, 1: a disagreement, else good
@@ -146,6 +146,8 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
     }
     std::vector<const Disagreement*> disagree_here;
     for (const Disagreement& d : disagree) {
+      // With one fused algorithm, none to disagree in (the other is not there to run).
+      if (fused.size() < 2 && std::string(d.field) == "the op / algorithm") continue;
       if (d.keeps_count || spec.algorithm != Algorithm::kNccl) disagree_here.push_back(&d);
     }
     const BadArgument& argument = *bad_here[rng() % bad_here.size()];

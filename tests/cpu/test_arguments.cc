@@ -410,5 +410,15 @@ TEST(TeamCreation, RejectsBadWorldSizesAndOptions) {
                       nccl_available() ? "comm is null" : "has no NCCL");
 }
 
+// A build without the SYCL runtime says so from every SYCL entry point (src/sycl/not_built.cc);
+// one with it checks the world size before it looks for a device.
+TEST(TeamCreation, SyclTeamsWithoutTheBackendOrWithBadWorldSizes) {
+  if (!sycl_available()) {
+    expect_error_naming([] { create_sycl_team(2); }, "has no SYCL backend");
+    return;
+  }
+  expect_error_naming([] { create_sycl_team(0); }, "world_size must be in [1, 16], got 0");
+}
+
 }  // namespace
 }  // namespace tpfuse

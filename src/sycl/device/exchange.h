@@ -120,6 +120,7 @@ struct WorkGroupCoop {
                                      sycl::memory_order::acq_rel)) {
       x.errors->failure_peer = uint32_t(failure.marking_rank());
       x.errors->sequence = failure.sequence();
+      x.errors->theirs = mark;  // what describe_failure tells of the marking rank's failure
       store_release(&x.errors->failure, uint32_t(CallError::kPeerFailed));
     }
   }

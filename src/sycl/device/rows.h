@@ -1,0 +1,600 @@
+// The SYCL backend's kernels, compiled at run time by the kernel compiler (src/sycl/compiler.h)
+// from this file and the headers it includes, all embedded in the library (this one as
+// "tpfuse/sycl/rows.h"): the row collectives one-shot and two-shot (allreduce,
+// allreduce_add_rmsnorm with every epilogue of epilogue.h's RowEpilogues: gamma or 1 + gamma,
+// the FP8 outputs, the MoE finalize), their local form, the absent call, and the calibrations of
+// the waits' bound.
+//
+// A call is one work-group: the rank's one participant of the Lamport session (session.h, with
+// tpfuse/sycl/exchange.h's WorkGroupCoop), its work-items spreading the sends, the clear, the
+// receives and the epilogue. One work-group, because a rank's work-groups poll their peers' and
+// all of them must run at once: on Intel's OpenCL CPU device a work-group holds a core until it
+// ends, and more spinning work-groups than compute units wait for a peer that never gets one
+// (create_sycl_team refuses such teams). The steps, in order:
+//   1. work-item 0 reads the call state (read_call_state); the group takes it by broadcast. A
+//      failed team sends nothing and returns (its peers time out: every rank reports it);
+//   2. send: work-item r stores the call's header (its signature with the call number folded in,
+//      sequenced_signature) into rank r; then the packets of the rank's contribution (its input,
+//      or its MoE combine), sentinel words rewritten: one-shot all of them to every peer,
+//      two-shot each owner's tokens to it (lamport.h's TwoShotLayout);
+//   3. after a group barrier (every send before any poll: see there), arrive (work-item 0: the
+//      only participant) and clear the previous call's slot. A rank's next call starts only once
+//      this one has ended (its queue is in order: validate_call);
+//   4. per token (finish_token): each work-item sums its vectors over the ranks in rank order in
+//      fp32 (its own term from its contribution), polling its peers' packets (wait_packet: a
+//      differing header, a failure of the team or the bound end the wait with NaN), and rounds
+//      them once (+ residual) into the output; with a norm, the rounded row is staged, work-item
+//      0 sums its squares in element order (the CPU backend's order: the same bits), and every
+//      work-item normalizes (and quantizes). Two-shot finishes its owned tokens so, sends each
+//      rounded vector to every peer, and after a second barrier finishes the peers' tokens from
+//      their rounded rows (Epilogue::Gathered);
+//   5. work-item r checks rank r's header (record_header: a rejection, a disagreement).
+// Memory ordering: every protocol word goes through exchange.h's release stores and acquire
+// loads. A staged row is read across work-items only after a group barrier (or the broadcast
+// that follows it), whose fence orders the group's global memory.
+//
+// Waits are bounded by the device's clock where it has one (sycl_ext_oneapi_clock, device scope:
+// the host compiles with -DTPF_SYCL_CLOCK=1): SyclRowCall::bound is TeamOptions::
+// peer_timeout_seconds in its ticks, at a rate the team measured when it was made
+// (tpf_sycl_clock_rate, src/sycl/team.cc). A device without one counts looks instead, at a rate
+// measured by one work-item (tpf_sycl_calibrate): approximate, as a look's cost depends on how
+// the device runs a group's work-items.
+#pragma once
+
+#include <sycl/sycl.hpp>
+
+#include <cstdint>
+
+#include "tpfuse/impl/epilogue.h"
+#include "tpfuse/impl/lamport.h"
+#include "tpfuse/impl/numeric.h"
+#include "tpfuse/impl/session.h"
+#include "tpfuse/sycl/calls.h"
+#include "tpfuse/sycl/exchange.h"
+
+#ifndef TPF_SYCL_CLOCK
+#define TPF_SYCL_CLOCK 0
+#endif
+
+namespace tpfuse::impl::sycl_device {
+
+// The device clock's ticks (0 without one).
+inline uint64_t device_ticks() {
+#if TPF_SYCL_CLOCK
+  namespace syclex = sycl::ext::oneapi::experimental;
+  return syclex::clock<syclex::clock_scope::device>();
+#else
+  return 0;
+#endif
+}
+
+// The waits' bound (SyclRowCall::bound; 0: none): whether it has passed at this check, `looks`
+// looks into the wait, whose first check read the clock into `start`.
+inline bool bound_passed(uint64_t bound, uint64_t looks, uint64_t& start) {
+  if (bound == 0) return false;
+#if TPF_SYCL_CLOCK
+  (void)looks;
+  const uint64_t now = device_ticks();
+  if (start == 0) {
+    start = now | 1u;
+    return false;
+  }
+  return now - start > bound;
+#else
+  (void)start;
+  return looks >= bound;
+#endif
+}
+
+// Looks at a vector between two checks of the slow path (the header, the error word, the mark,
+// the bound).
+constexpr uint64_t kCheckEvery = 64;
+
+// A failure of the team seen by this rank (kTimeout, kMismatch, or kPeerFailed from a header):
+// the first claims the control block's error word, fills the error record (host memory: the
+// details, then the kind with release) and, for a failure of its own, stores its mark into every
+// rank's workspace.
+inline void record_team_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
+                                const Vec16& theirs, uint32_t sequence) {
+  uint32_t expected = 0;
+  if (!ProtocolAtomic<uint32_t>(x.control->error)
+           .compare_exchange_strong(expected, uint32_t(1 + peer), sycl::memory_order::acq_rel)) {
+    return;
+  }
+  x.errors->failure_peer = uint32_t(peer);
+  x.errors->sequence = sequence;
+  x.errors->mine = mine;
+  x.errors->theirs = theirs;
+  store_release(&x.errors->failure, uint32_t(kind));
+  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
+    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
+    for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
+  }
+}
+
+// A peer's rejection: recorded once per Team::check (call_claims moves from the record's
+// call_generation to one past it, as on the GPU).
+inline void record_rejection(const Exchange& x, int sender) {
+  const uint32_t generation = load_acquire(&x.errors->call_generation);
+  uint32_t expected = generation;
+  if (ProtocolAtomic<uint32_t>(x.control->call_claims)
+          .compare_exchange_strong(expected, generation + 1, sycl::memory_order::acq_rel)) {
+    x.errors->call_peer = uint32_t(sender);
+    store_release(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
+  }
+}
+
+// record_header's Recorder (session.h).
+struct Recorder {
+  void on_rejection(const Exchange& x, int sender) const { record_rejection(x, sender); }
+  void on_failure(const Exchange& x, CallError kind, int sender, const Vec16& mine,
+                  const Vec16& theirs, uint32_t sequence) const {
+    record_team_failure(x, kind, sender, mine, theirs, sequence);
+  }
+};
+
+// Whether this rank's team has failed: its error word, or a peer's failure mark (recorded then).
+inline bool team_stopped(const Exchange& x) {
+  if (load_acquire(&x.control->error) != 0) return true;
+  const Vec16* mark = x.mark();
+  if (load_acquire(&mark->word[0]) == kSentinel) return false;
+  const Vec16 m = load_vector(mark);
+  if (!has_arrived(m)) return false;
+  WorkGroupCoop::record_mark(x, m);
+  return true;
+}
+
+// Waits for a packet vector of `sender`: every kCheckEvery looks it reads the hash word of the
+// sender's header (one that is in and differs from this call's ends the wait: the end-of-call
+// check records why), whether the team has failed, and the bound, where it records a timeout
+// naming the sender. A wait that ends without data gives NaN.
+inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* header,
+                         const CallSignature& mine, int sender, uint32_t sequence, uint64_t bound) {
+  uint64_t start = 0;
+  Vec16 v = load_vector(address);
+  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
+    if (looks % kCheckEvery == 0) {
+      const uint32_t hash = load_acquire(&header->word[3]);
+      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
+      if (team_stopped(x)) return nan_vector();
+      if (bound_passed(bound, looks, start)) {
+        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
+        return nan_vector();
+      }
+    }
+    v = load_vector(address);
+  }
+  return v;
+}
+
+// Waits for a vector (a header, a packet an absent call drains): false if the team failed or
+// the bound passed (a timeout naming `sender`, recorded).
+inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSignature& mine,
+                        int sender, uint32_t sequence, uint64_t bound, Vec16& v) {
+  uint64_t start = 0;
+  v = load_vector(address);
+  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
+    if (looks % kCheckEvery == 0) {
+      if (team_stopped(x)) return false;
+      if (bound_passed(bound, looks, start)) {
+        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
+        return false;
+      }
+    }
+    v = load_vector(address);
+  }
+  return true;
+}
+
+// Step 1: work-item 0 reads the call state, the group takes it.
+inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x, bool first) {
+  CallState read{};
+  if (first) read = read_call_state<WorkGroupCoop>(x);
+  CallState state;
+  state.slot = sycl::group_broadcast(group, read.slot, 0);
+  state.failed = sycl::group_broadcast(group, read.failed, 0);
+  state.sequence = sycl::group_broadcast(group, read.sequence, 0);
+  state.clear_bytes = sycl::group_broadcast(group, read.clear_bytes, 0);
+  return state;
+}
+
+// Vector v of token `token`'s contribution to the sum: its input, or (kHasMoe) the MoE combine of
+// its expert rows, sum_j w_j * x_j in fp32 in j order plus the shared row, packed once
+// (epilogue.h's steps, as the CPU's and the GPU's combine).
+template <typename T, typename Epilogue>
+Vec16 contribution(const SyclRowCall& p, int64_t token, int64_t v) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  if constexpr (Epilogue::kHasMoe) {
+    const auto* rows = static_cast<const Vec16*>(p.moe_rows);
+    float acc[kElements];
+    for (int j = 0; j < p.moe_topk; ++j) {
+      const int64_t row = token * p.moe_topk + j;
+      const float w = moe_weight<T>(p.moe_weights, p.moe_weights_in_dtype != 0, row);
+      moe_accumulate<T>(acc, rows[row * vectors + v], w, j == 0);
+    }
+    if (p.moe_shared != nullptr) {
+      moe_add_shared<T>(acc, static_cast<const Vec16*>(p.moe_shared)[token * vectors + v]);
+    }
+    return pack<T>(acc);
+  } else {
+    return static_cast<const Vec16*>(p.input)[token * vectors + v];
+  }
+}
+
+// Finishes token `token`: each work-item's vectors of its rank sum (sum(v, index, acc) gives one
+// in fp32), + residual, rounded once into the output (on_rounded(v, rounded) sees each: the
+// two-shot owner sends it). With a norm, the rounded row is staged (in norm_out, else
+// residual_out, else `scratch`: one row), work-item 0 sums its squares in element order from 0
+// (src/cpu/rows.cc's order: the same bits), and every work-item normalizes its vectors. With an
+// FP8 output (kHasQuant), work-item 0 first takes the token's or each group's largest magnitude
+// of the normalized row (recomputed from the stage: max is exact in any order) and writes the
+// dynamic scales; after a barrier every work-item quantizes its normalized vectors
+// (epilogue.h's quantize_vector). Every work-item of the group calls it (its barriers).
+template <typename T, typename Epilogue, typename Sum, typename OnRounded>
+void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t first, int64_t stride,
+                  int64_t token, Vec16* scratch, Sum&& sum, OnRounded&& on_rounded) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.hidden / kElements;
+  const auto* residual = static_cast<const Vec16*>(p.residual);
+  const auto* gamma = static_cast<const Vec16*>(p.gamma);
+  auto* residual_out = static_cast<Vec16*>(p.residual_out);
+  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  Vec16* const stage = norm_out != nullptr       ? norm_out + token * vectors
+                       : residual_out != nullptr ? residual_out + token * vectors
+                                                 : scratch;
+  for (int64_t v = first; v < vectors; v += stride) {
+    const int64_t index = token * vectors + v;
+    float acc[kElements];
+    sum(v, index, acc);
+    float unused = 0.0f;
+    Vec16 residual_vector{};
+    if constexpr (Epilogue::kHasResidual) residual_vector = residual[index];
+    const Vec16 rounded = Epilogue::template round_sum<T>(acc, residual_vector, unused);
+    if constexpr (Epilogue::kHasNorm) {
+      if (residual_out != nullptr) residual_out[index] = rounded;
+    }
+    stage[v] = rounded;
+    on_rounded(v, rounded);
+  }
+  if constexpr (Epilogue::kHasNorm) {
+    sycl::group_barrier(group);
+    float sum_squares = 0.0f;
+    if (first == 0) {
+      for (int64_t v = 0; v < vectors; ++v) {
+        float lanes[kElements];
+        unpack<T>(stage[v], lanes);
+        for (int l = 0; l < kElements; ++l) sum_squares += lanes[l] * lanes[l];
+      }
+    }
+    const float scale = sycl::group_broadcast(group, rms_scale(sum_squares, p.hidden, p.eps), 0);
+    const auto normalized = [&](int64_t v) {
+      float lanes[kElements];
+      unpack<T>(stage[v], lanes);
+      return Epilogue::template normalize<T>(lanes, gamma[v], scale);
+    };
+    float quant_scale = 0.0f;
+    const QuantMode mode = QuantMode(p.quant);
+    if constexpr (Epilogue::kHasQuant) {
+      constexpr int64_t kGroupVectors = kQuantGroupSize / kElements;
+      const int64_t groups = p.hidden / kQuantGroupSize;
+      float token_scale = 0.0f;
+      if (first == 0) {
+        if (mode == QuantMode::kStatic) {
+          token_scale = *p.quant_scale;
+        } else if (mode == QuantMode::kPerToken) {
+          float amax = 0.0f;
+          for (int64_t v = 0; v < vectors; ++v) amax = fmaxf(amax, vector_amax<T>(normalized(v)));
+          token_scale = dynamic_scale(amax);
+          p.scales_out[token] = token_scale;
+        } else {
+          for (int64_t g = 0; g < groups; ++g) {
+            float amax = 0.0f;
+            for (int64_t v = g * kGroupVectors; v < (g + 1) * kGroupVectors; ++v) {
+              amax = fmaxf(amax, vector_amax<T>(normalized(v)));
+            }
+            p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] =
+                dynamic_scale(amax);
+          }
+        }
+      }
+      quant_scale = sycl::group_broadcast(group, token_scale, 0);
+      sycl::group_barrier(group);  // the group scales in scales_out, read below
+    }
+    // Every work-item's normalized vectors (norm_out may be the stage: each rewrites only its own
+    // vectors, which work-item 0 has read by now).
+    for (int64_t v = first; v < vectors; v += stride) {
+      const int64_t index = token * vectors + v;
+      const Vec16 out = normalized(v);
+      if (norm_out != nullptr) norm_out[index] = out;
+      if constexpr (Epilogue::kHasQuant) {
+        const int64_t groups = p.hidden / kQuantGroupSize;
+        const int64_t group_index = v * kElements / kQuantGroupSize;
+        const float divisor_scale =
+            mode != QuantMode::kPerTokenGroup128
+                ? quant_scale
+                : p.scales_out[p.scales_column_major ? group_index * p.tokens + token
+                                                     : token * groups + group_index];
+        const QuantBytes<T> bytes = quantize_vector<T>(out, fp8_divisor(divisor_scale));
+        uint8_t* const to = static_cast<uint8_t*>(p.quant_out) + token * p.hidden + v * kElements;
+        for (int i = 0; i < kElements; ++i) to[i] = bytes.bytes[i];
+      }
+    }
+  }
+}
+
+template <typename T, typename Epilogue>
+void row_call(const SyclRowCall& p) {
+  using Session = LamportSession<WorkGroupCoop>;
+  constexpr int kElements = Packed<T>::kElements;
+  const sycl::nd_item<1> item = this_item();
+  const sycl::group<1> group = item.get_group();
+  const int64_t first = int64_t(item.get_local_linear_id());
+  const int64_t stride = int64_t(item.get_local_range(0));
+  const Exchange& x = p.exchange;
+  const bool local = p.local != 0;
+  const bool twoshot = !local && p.twoshot != 0;
+  const int world = local ? 1 : x.world_size;
+  const int rank = local ? 0 : x.rank;
+  const int64_t vectors = p.hidden / kElements;
+  const uint64_t row_bytes = uint64_t(p.hidden) * sizeof(T);
+  const TwoShotLayout layout(p.tokens, world);
+
+  CallState state{};
+  if (!local) state = group_call_state(group, x, first == 0);
+  const Session session(state);
+  if (!local && session.failed()) return;
+  const CallSignature mine = sequenced_signature(p.signature, state.sequence);
+  const size_t send_offset = local ? 0 : session.send_offset(x);
+  // A peer's packet vector at `offset` bytes into its region of this rank's slot.
+  const auto packet_of = [&](int sender, uint64_t offset) {
+    return wait_packet(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset),
+                       x, session.received_header(x, sender), mine, sender, state.sequence,
+                       p.bound);
+  };
+  const auto nothing = [](int64_t, const Vec16&) {};
+  // One row of scratch for an FP8 call that writes neither norm_out nor residual_out: this rank's
+  // own sender region of the slot, which no rank stores into in a row call (lamport.h).
+  Vec16* const scratch =
+      local ? nullptr : reinterpret_cast<Vec16*>(x.workspace[rank] + send_offset);
+
+  if (!local) {
+    // 2. Send: the header, then one-shot's whole input to every peer, or two-shot's scatter
+    //    (each owner's tokens of the input, to it).
+    if (first < world && first != rank) {
+      store_vector(reinterpret_cast<Vec16*>(x.workspace[first] + session.header_send_offset(x)),
+                   mine.header);
+    }
+    if (twoshot) {
+      for (int owner = 0; owner < world; ++owner) {
+        if (owner == rank) continue;
+        auto* region = reinterpret_cast<Vec16*>(x.workspace[owner] + send_offset);
+        for (int64_t i = first; i < layout.count(owner) * vectors; i += stride) {
+          const Vec16 packet =
+              contribution<T, Epilogue>(p, layout.begin(owner) + i / vectors, i % vectors);
+          store_vector(region + i, rewrite_sentinel(packet));  // scatter rows from 0
+        }
+      }
+    } else {
+      for (int64_t i = first; i < p.tokens * vectors; i += stride) {
+        const Vec16 packet =
+            rewrite_sentinel(contribution<T, Epilogue>(p, i / vectors, i % vectors));
+        for (int r = 0; r < world; ++r) {
+          if (r != rank)
+            store_vector(reinterpret_cast<Vec16*>(x.workspace[r] + send_offset) + i, packet);
+        }
+      }
+    }
+    // Every work-item's sends before any work-item's polls. A work-item receives vectors that
+    // other work-items of the peer's group sent, and a group's work-items have no forward
+    // progress of their own: the CPU device runs them a few SIMD lanes at a time, each lane group
+    // to the next barrier, so a lane group polling for a vector a later one sends would wait
+    // forever (found with rows of 224 vectors: a timeout on every call).
+    sycl::group_barrier(group);
+    // 3. Arrive (work-item 0 alone read the state it moves), clear.
+    if (first == 0) {
+      session.arrive(x.control,
+                     twoshot ? layout.sender_bytes(row_bytes) : uint64_t(p.tokens) * row_bytes);
+    }
+    session.clear_previous(x);
+  }
+
+  // 4. Receive and finish, a token at a time: one-shot every token from every rank's packets
+  //    (its own from its input); two-shot the owned tokens from the scattered rows, each rounded
+  //    row sent to every peer (all-gather), then, after a barrier (every gather sent before any
+  //    is polled: as above), the peers' tokens from their rounded rows (Epilogue::Gathered).
+  const auto rank_sum = [&](int64_t v, int64_t index, uint64_t offset, float(&acc)[kElements]) {
+    for (int sender = 0; sender < world; ++sender) {
+      const Vec16 packet = sender == rank
+                               ? rewrite_sentinel(contribution<T, Epilogue>(p, index / vectors, v))
+                               : packet_of(sender, offset + uint64_t(v) * 16);
+      if (sender == 0) {
+        accumulate_first<T>(acc, packet);
+      } else {
+        accumulate<T>(acc, packet);
+      }
+    }
+  };
+  if (!twoshot) {
+    for (int64_t token = 0; token < p.tokens; ++token) {
+      finish_token<T, Epilogue>(
+          p, group, first, stride, token, scratch,
+          [&](int64_t v, int64_t index, float(&acc)[kElements]) {
+            rank_sum(v, index, uint64_t(token) * row_bytes, acc);
+          },
+          nothing);
+    }
+  } else {
+    for (int64_t local_row = 0; local_row < layout.count(rank); ++local_row) {
+      finish_token<T, Epilogue>(
+          p, group, first, stride, layout.begin(rank) + local_row, scratch,
+          [&](int64_t v, int64_t index, float(&acc)[kElements]) {
+            rank_sum(v, index, layout.scatter_row(local_row, row_bytes), acc);
+          },
+          [&](int64_t v, const Vec16& rounded) {
+            for (int r = 0; r < world; ++r) {
+              if (r == rank) continue;
+              auto* gather = reinterpret_cast<Vec16*>(x.workspace[r] + send_offset +
+                                                      layout.gather_row(local_row, row_bytes));
+              store_vector(gather + v, rounded);  // canonical: no word is the sentinel
+            }
+          });
+    }
+    sycl::group_barrier(group);
+    for (int owner = 0; owner < world; ++owner) {
+      if (owner == rank) continue;
+      for (int64_t local_row = 0; local_row < layout.count(owner); ++local_row) {
+        finish_token<T, typename Epilogue::Gathered>(
+            p, group, first, stride, layout.begin(owner) + local_row, scratch,
+            [&](int64_t v, int64_t, float(&acc)[kElements]) {
+              accumulate_first<T>(acc, packet_of(owner, layout.gather_row(local_row, row_bytes) +
+                                                            uint64_t(v) * 16));
+            },
+            nothing);
+      }
+    }
+  }
+
+  // 5. The headers: work-item r checks rank r's (its wait ends at once where the call's data came).
+  if (!local && first < world && first != rank && load_acquire(&x.control->error) == 0) {
+    Vec16 header;
+    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
+                    p.bound, header)) {
+      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
+    }
+  }
+}
+
+// An absent call (session.h; src/cuda/absent.cu is the GPU's): the header, the clear, every
+// peer's header (an empty call must agree with it; a rejecting rank takes whatever comes), the
+// drain of what their signatures say they sent, and the arrival with the largest region used.
+inline void absent_call(const SyclAbsentCall& p) {
+  using Session = LamportSession<WorkGroupCoop>;
+  const sycl::nd_item<1> item = this_item();
+  const sycl::group<1> group = item.get_group();
+  const int64_t first = int64_t(item.get_local_linear_id());
+  const int64_t stride = int64_t(item.get_local_range(0));
+  const Exchange& x = p.exchange;
+  const int world = x.world_size;
+  const CallState state = group_call_state(group, x, first == 0);
+  const Session session(state);
+  if (session.failed()) return;
+  const CallSignature mine = sequenced_signature(p.signature, state.sequence);
+  if (first < world && first != x.rank) {
+    store_vector(reinterpret_cast<Vec16*>(x.workspace[first] + session.header_send_offset(x)),
+                 mine.header);
+  }
+  session.clear_previous(x);
+  sycl::group_barrier(group);  // every header sent before any wait (row_call says why)
+  if (first < world && first != x.rank) {
+    Vec16 header;
+    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
+                    p.bound, header) &&
+        mine.op() != CallOp::kRejected) {
+      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
+    }
+  }
+  sycl::group_barrier(group);
+  const uint32_t failed =
+      sycl::group_broadcast(group, first == 0 ? load_acquire(&x.control->error) : 0u, 0);
+  if (failed != 0) return;
+  uint64_t clear_bytes = 0;
+  for (int sender = 0; sender < world; ++sender) {
+    if (sender == x.rank) continue;
+    const Vec16 header = load_vector(session.received_header(x, sender));
+    const SenderExtents extents = sender_extents(CallSignature{header}, sender, x.rank, world);
+    clear_bytes = extents.clear_bytes > clear_bytes ? extents.clear_bytes : clear_bytes;
+    const char* region = session.receive_region(x, sender);
+    for (int range = 0; range < 2; ++range) {
+      for (uint64_t offset = extents.begin[range] + 16 * uint64_t(first);
+           offset < extents.end[range]; offset += 16 * uint64_t(stride)) {
+        Vec16 v;
+        if (!wait_vector(reinterpret_cast<const Vec16*>(region + offset), x, mine, sender,
+                         state.sequence, p.bound, v)) {
+          break;
+        }
+      }
+    }
+  }
+  sycl::group_barrier(group);
+  if (first == 0) session.arrive(x.control, clear_bytes);
+}
+
+}  // namespace tpfuse::impl::sycl_device
+
+namespace tpfuse::impl::sycl_kernels {
+using Sum = SumEpilogue;
+using Norm = RowEpilogue<false, true>;
+using ResidualNorm = RowEpilogue<true, true>;
+using NormOnePlusGamma = RowEpilogue<false, true, NormWeight::kOnePlusGamma>;
+using ResidualNormOnePlusGamma = RowEpilogue<true, true, NormWeight::kOnePlusGamma>;
+using NormQuant = RowEpilogue<false, true, NormWeight::kGamma, true>;
+using ResidualNormQuant = RowEpilogue<true, true, NormWeight::kGamma, true>;
+using NormOnePlusGammaQuant = RowEpilogue<false, true, NormWeight::kOnePlusGamma, true>;
+using ResidualNormOnePlusGammaQuant = RowEpilogue<true, true, NormWeight::kOnePlusGamma, true>;
+using ResidualNormMoe = RowEpilogue<true, true, NormWeight::kGamma, false, true>;
+using ResidualNormQuantMoe = RowEpilogue<true, true, NormWeight::kGamma, true, true>;
+}  // namespace tpfuse::impl::sycl_kernels
+
+// The kernels, by name (src/sycl/backend.cc looks them up): tpf_sycl_rows_<dtype>_<epilogue>.
+#define TPF_SYCL_ROW_KERNEL(dtype_name, T, epilogue_name, Epilogue)                  \
+  extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(                                      \
+      (sycl::ext::oneapi::experimental::nd_range_kernel<1>)) void                    \
+      tpf_sycl_rows_##dtype_name##_##epilogue_name(tpfuse::impl::SyclRowCall p) {    \
+    tpfuse::impl::sycl_device::row_call<T, tpfuse::impl::sycl_kernels::Epilogue>(p); \
+  }
+#define TPF_SYCL_ROW_KERNELS(dtype_name, T)                                              \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, sum, Sum)                                           \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm, Norm)                                         \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm, ResidualNorm)                        \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg, NormOnePlusGamma)                         \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg, ResidualNormOnePlusGamma)        \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_q, NormQuant)                                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q, ResidualNormQuant)                 \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, norm_1pg_q, NormOnePlusGammaQuant)                  \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_1pg_q, ResidualNormOnePlusGammaQuant) \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_moe, ResidualNormMoe)                 \
+  TPF_SYCL_ROW_KERNEL(dtype_name, T, residual_norm_q_moe, ResidualNormQuantMoe)
+
+TPF_SYCL_ROW_KERNELS(f32, float)
+TPF_SYCL_ROW_KERNELS(f16, tpfuse::impl::Float16)
+TPF_SYCL_ROW_KERNELS(bf16, tpfuse::impl::BFloat16)
+
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
+    (sycl::ext::oneapi::experimental::nd_range_kernel<
+        1>)) void tpf_sycl_absent(tpfuse::impl::SyclAbsentCall p) {
+  tpfuse::impl::sycl_device::absent_call(p);
+}
+
+// The device clock's ticks at its start (ticks[0]) and once the host has set *flag (ticks[1]): the
+// host times the same span (src/sycl/team.cc). Bounded: 2^32 looks at the flag at most.
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY((sycl::ext::oneapi::experimental::nd_range_kernel<
+                                              1>)) void tpf_sycl_clock_rate(const uint32_t* flag,
+                                                                            uint64_t* ticks) {
+  using namespace tpfuse::impl;
+  sycl_device::store_release(&ticks[0], sycl_device::device_ticks() | 1u);
+  for (uint64_t l = 0; l < (uint64_t(1) << 32) && sycl_device::load_acquire(flag) == 0; ++l) {
+  }
+  sycl_device::store_release(&ticks[1], sycl_device::device_ticks() | 1u);
+}
+
+// `looks` looks (the waits' loop, with their slow-path loads) at a vector that never arrives:
+// how fast a wait looks, which a device without a clock turns into its bound.
+extern "C" SYCL_EXT_ONEAPI_FUNCTION_PROPERTY(
+    (sycl::ext::oneapi::experimental::nd_range_kernel<
+        1>)) void tpf_sycl_calibrate(const tpfuse::impl::Vec16* never, const uint32_t* words,
+                                     uint64_t looks, uint32_t* out) {
+  using namespace tpfuse::impl;
+  const int64_t first = int64_t(sycl_device::this_item().get_local_linear_id());
+  const Vec16* address = never + first;
+  Vec16 v = sycl_device::load_vector(address);
+  uint32_t seen = 0;
+  for (uint64_t l = 1; l < looks && !has_arrived(v); ++l) {
+    if (l % sycl_device::kCheckEvery == 0) {
+      seen ^= sycl_device::load_acquire(&words[0]) ^ sycl_device::load_acquire(&words[1]) ^
+              sycl_device::load_acquire(&words[2]);
+    }
+    v = sycl_device::load_vector(address);
+  }
+  if (has_arrived(v) || seen == 1u) out[0] = 1u;
+}
