@@ -361,6 +361,57 @@ TEST(SyclFaults, MissingPeerTimesOutAndALatePeerIsRefused) {
   }
 }
 
+// A team without an NCCL path (SYCL's): a call left to the algorithm choice that fits neither
+// fused algorithm is rejected on its rank, which still takes its turn, so that its peer, whose
+// call fits, is told at once (not at its timeout), and the team goes on.
+TEST(SyclFaults, ARejectedCallThatFitsNoPathStillTakesItsTurn) {
+  TPF_REQUIRE_DEVICE(device);
+  TPF_REQUIRE_TWO_COMPUTE_UNITS(device);
+  TeamOptions options;
+  options.packet_bytes = 4096;
+  options.peer_timeout_seconds = 60.0;
+  SyclHarness harness(two_ranks(device, options));
+  constexpr int64_t kFits = 256, kTooMany = 1 << 16;  // floats: 1 KiB and 256 KiB
+  const std::vector<float> ones(kTooMany, 1.0f), poison(kTooMany, -7.0f);
+  std::vector<void*> input(2), out(2);
+  for (int r = 0; r < 2; ++r) {
+    input[r] = harness.allocate(r, kTooMany * 4);
+    out[r] = harness.allocate(r, kTooMany * 4);
+    harness.upload(r, input[r], ones.data(), kTooMany * 4);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < 2; ++r) harness.upload(r, out[r], poison.data(), kTooMany * 4);
+  try {
+    allreduce(harness.team()[0], input[0], out[0], kTooMany, DType::kFloat32, harness.queue(0));
+    FAIL() << "a call over the team's packet capacity was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("packet capacity"), std::string::npos) << error.what();
+  }
+  allreduce(harness.team()[1], input[1], out[1], kFits, DType::kFloat32, harness.queue(1));
+  try {
+    harness.team()[1].check();
+    FAIL() << "rank 1's call returned although rank 0 rejected its part";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("rejected its part"), std::string::npos)
+        << error.what();
+  }
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 20.0) << "rank 1 waited toward its timeout instead of being told";
+  std::vector<float> got(kFits);
+  harness.download(1, got.data(), out[1], kFits * 4);
+  for (float v : got) ASSERT_TRUE(std::isnan(v)) << "rank 1's output of the rejected call";
+  // The team goes on: the next call is correct on both ranks.
+  for (int r = 0; r < 2; ++r) {
+    allreduce(harness.team()[r], input[r], out[r], kFits, DType::kFloat32, harness.queue(r));
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NO_THROW(harness.team()[r].check());
+    harness.download(r, got.data(), out[r], kFits * 4);
+    EXPECT_EQ(got, std::vector<float>(kFits, 2.0f)) << "rank " << r << "'s next call";
+  }
+}
+
 // More ranks than the device has compute units would spin and wait for a core that never comes:
 // creation refuses them at once, naming the ranks and the compute units.
 TEST(SyclFaults, TeamCreationRefusesMoreRanksThanComputeUnits) {
