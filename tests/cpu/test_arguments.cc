@@ -183,6 +183,14 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
                   "quant_scale is given but quant is fp8 per token");
   expect_rejected(with(QuantMode::kPerTokenGroup128),
                   "hidden must be a multiple of 128 for quant fp8 per token group of 128, got 64");
+  expect_rejected(with(QuantMode::kPerTokenGroup128Ue8m0),
+                  "hidden must be a multiple of 128 for quant fp8 per token group of 128 with "
+                  "power-of-two scales, got 64");
+  expect_rejected(
+      then(with(QuantMode::kPerTokenGroup128Ue8m0), [](auto& a) { a.scales_out = nullptr; }),
+      "scales_out is null: quant fp8 per token group of 128 with power-of-two scales writes its "
+      "scales there");
+  expect_rejected([](auto& a) { a.quant = QuantMode(5); }, "quant 5 is not a QuantMode");
   expect_rejected(
       then(with(QuantMode::kPerToken), [this](auto& a) { a.quant_out = buffers_.norm_out; }),
       "quant_out overlaps norm_out");

@@ -241,6 +241,11 @@ def torch_fp8(norm, quant, scale=None):
     else:
         groups = x.reshape(x.shape[0], -1, 128)
         scales = groups.abs().amax(-1).clamp(min=1e-10) / 448.0
+        if quant == tpfuse.Quant.PER_TOKEN_GROUP_128_UE8M0:
+            # Rounded up to a power of two on the bits, as DeepGEMM's reference casts do.
+            bits = scales.view(torch.int32)
+            exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+            scales = (exponent << 23).view(torch.float32)
         q = (groups / scales[..., None]).reshape(x.shape)
     return q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales
 
