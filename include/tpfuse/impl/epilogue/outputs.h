@@ -17,7 +17,7 @@ namespace tpfuse::impl {
 template <typename... Outputs>
 struct OutputList {
   static constexpr int kCount = int(sizeof...(Outputs));
-  static constexpr OutputInfo kInfos[] = {output_info_of<Outputs>()...};
+  static constexpr OutputInfo kInfos[sizeof...(Outputs)] = {output_info_of<Outputs>()...};
 };
 
 // Every output, NoOutput first.
