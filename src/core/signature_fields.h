@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tpfuse/impl/enums.h"
+#include "tpfuse/impl/epilogue/contributions.h"
 #include "tpfuse/impl/epilogue/outputs.h"
 #include "tpfuse/tpfuse.h"
 
@@ -44,7 +45,7 @@ inline std::string weight(uint32_t weight) {
   return norm_weight_name(NormWeight(int(weight)));
 }
 inline std::string moe(uint32_t moe) {
-  return moe ? "a MoE combine" : "input";
+  return moe ? MoeContribution::kDescription : InputContribution::kDescription;
 }
 inline std::string output(uint32_t mode) {
   return quant_mode_name(QuantMode(int(mode)));

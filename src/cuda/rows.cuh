@@ -32,7 +32,8 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
 }
 
 // This thread's vectors of token `token`'s contribution to the sum: its input row, or (kHasMoe)
-// the MoE combine of its expert rows (epilogue.h's steps), rounded once to T. The expert rows are
+// the MoE combine of its expert rows (the MoeContribution policy's steps,
+// epilogue/contribution_moe.h, a row's vectors at a time), rounded once to T. The expert rows are
 // loaded kChunk at a time, all in flight before the first is added, and added in order.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __device__ __forceinline__ void load_contribution(const RowCall& p, int64_t token, int64_t vectors,

@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "tpfuse/impl/config.h"
+#include "tpfuse/impl/epilogue/contributions.h"
 #include "tpfuse/impl/epilogue/outputs.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
@@ -85,55 +86,6 @@ TPF_HOST_DEVICE Vec16 normalize(const float (&x)[Packed<T>::kElements], const Ve
   return pack<T>(out);
 }
 
-// MoE finalize (AddRmsNormArgs::moe_*): a rank's contribution to the sum is its top-k expert
-// rows combined, sum_j w_j * x_j in fp32 in j order, plus a shared expert's row, rounded once.
-// On the GPU each product and each add is rounded on its own (no fused multiply-add), as on the
-// host, so the combine has the same bits on both.
-TPF_HOST_DEVICE float moe_product(float w, float x) {
-#if TPF_ON_DEVICE
-  return __fmul_rn(w, x);
-#else
-  return w * x;
-#endif
-}
-
-TPF_HOST_DEVICE float moe_add(float a, float b) {
-#if TPF_ON_DEVICE
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-// acc (+)= w * row, per lane: the first expert's product starts the sum.
-template <typename T>
-TPF_HOST_DEVICE void moe_accumulate(float (&acc)[Packed<T>::kElements], const Vec16& row, float w,
-                                    bool first) {
-  float lanes[Packed<T>::kElements];
-  unpack<T>(row, lanes);
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) {
-    const float product = moe_product(w, lanes[i]);
-    acc[i] = first ? product : moe_add(acc[i], product);
-  }
-}
-
-// acc += the shared expert's row, per lane.
-template <typename T>
-TPF_HOST_DEVICE void moe_add_shared(float (&acc)[Packed<T>::kElements], const Vec16& shared) {
-  float lanes[Packed<T>::kElements];
-  unpack<T>(shared, lanes);
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] = moe_add(acc[i], lanes[i]);
-}
-
-// Routing weight `index` of [tokens, topk]: fp32, or T (in_dtype).
-template <typename T>
-TPF_HOST_DEVICE float moe_weight(const void* weights, bool in_dtype, int64_t index) {
-  return in_dtype ? to_float(static_cast<const T*>(weights)[index])
-                  : static_cast<const float*>(weights)[index];
-}
-
 // What a row epilogue does, as values: the key a call's arguments give and the traits match.
 struct RowEpilogueKind {
   bool residual;       // the sum plus a residual (else the sum alone)
@@ -153,8 +105,8 @@ struct RowEpilogueKind {
 //   normalize:  the norm of the rounded values with the row's scale (kHasNorm only).
 //   quantize:   (kHasQuant) the FP8 output of the normalized vectors: the Output policy of the
 //               call's mode (epilogue/outputs.h), picked at run time (RowCall::quant).
-// kMoe: what a rank contributes is its MoE combine (moe_accumulate, moe_add_shared, rounded
-// once to T), read where other epilogues read input.
+// kMoe: what a rank contributes is its MoE combine (the MoeContribution policy's steps,
+// epilogue/contribution_moe.h, rounded once to T), read where other epilogues read input.
 template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma, bool kQuant = false,
           bool kMoe = false>
 struct RowEpilogue {
@@ -164,6 +116,7 @@ struct RowEpilogue {
   static constexpr bool kHasNorm = kNorm;
   static constexpr bool kHasQuant = kQuant;
   static constexpr bool kHasMoe = kMoe;
+  using Contribution = ContributionOf<kMoe>;
   static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant, kMoe};
   // How a row that arrives already rounded (the two-shot all-gather) is finished.
   using Gathered = RowEpilogue<false, kNorm, kWeight, kQuant>;
