@@ -228,6 +228,42 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
       << peer_error;
 }
 
+// Ranks whose FP8 outputs differ only in the group scale's rule: both are told, the two modes
+// named (the signature's quant field, decoded by its table).
+TEST_F(Arguments, RanksWhoseGroupScalesDifferInRuleAreTold) {
+  struct Fp8Buffers {
+    alignas(16) uint8_t quant[128];
+    float scales[1];
+  };
+  Fp8Buffers mine, theirs;
+  const auto group_call = [](AddRmsNormArgs args, QuantMode mode, Fp8Buffers& out) {
+    args.tokens = 1;
+    args.hidden = 128;
+    args.quant = mode;
+    args.quant_out = out.quant;
+    args.scales_out = out.scales;
+    return args;
+  };
+  const AddRmsNormArgs args = group_call(args_, QuantMode::kPerTokenGroup128, mine);
+  const AddRmsNormArgs peer = group_call(peer_args_, QuantMode::kPerTokenGroup128Ue8m0, theirs);
+  std::string peer_error;
+  std::thread peer_thread([&] {
+    try {
+      allreduce_add_rmsnorm(team_[1], peer);
+    } catch (const Error& error) {
+      peer_error = error.what();
+    }
+  });
+  expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                      "in quant: fp8 per token group of 128 here, fp8 per token group of 128 with "
+                      "power-of-two scales on rank 1");
+  peer_thread.join();
+  EXPECT_NE(peer_error.find("in quant: fp8 per token group of 128 with power-of-two scales here, "
+                            "fp8 per token group of 128 on rank 0"),
+            std::string::npos)
+      << peer_error;
+}
+
 TEST_F(Arguments, MoeFinalizeArgumentsAreChecked) {
   // Two tokens of 64 bf16, top-2: the expert rows, the weights, a shared row.
   alignas(16) static uint16_t rows[2 * 2 * 64 + 8];
