@@ -170,8 +170,9 @@ __device__ __forceinline__ void gamma_vectors(const GammaInMemory& in, int64_t v
 }
 
 // The FP8 output of a token row from this thread's normalized vectors: the Output policy of the
-// call's mode (tpfuse/impl/epilogue/outputs.h, picked at run time: no kernel per policy) with
-// the call's static scale (kCall), the token's (a block max) or each group's (kGroup). A group's
+// call's mode (tpfuse/impl/epilogue/outputs.h, picked at run time: no kernel per policy), one
+// code path a scope (output_scale picks the policy's scale step): the call's static scale
+// (kCall), the token's (a block max) or each group's (kGroup). A group's
 // kQuantGroupSize elements are consecutive vectors held by consecutive lanes of one warp
 // (blockDim is a multiple of 32 and hidden of the group size), so its max is a shuffle over 16
 // (or, for fp32, 32) lanes; every lane takes part in the shuffles, those without a vector with 0.
@@ -194,49 +195,46 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       *reinterpret_cast<uint32_t*>(at) = word;
     }
   };
-  dispatch_output(p.quant, [&](auto output) {
-    using Output = decltype(output);
-    if constexpr (Output::kScope == OutputScope::kGroup) {
-      constexpr int kGroupLanes = int(kQuantGroupSize) / kElements;  // 16, or 32 for fp32
-      const int64_t groups = p.hidden / kQuantGroupSize;
+  const OutputScope scope = output_scope_of(p.quant);
+  if (scope == OutputScope::kGroup) {
+    constexpr int kGroupLanes = int(kQuantGroupSize) / kElements;  // 16, or 32 for fp32
+    const int64_t groups = p.hidden / kQuantGroupSize;
 #pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        // The same for every thread of the block, so the shuffles below see whole warps.
-        if (int64_t(i) * blockDim.x >= vectors) break;
-        const bool mine = owns<kVecsPerThread>(i, vectors);
-        float amax = mine ? vector_amax<T>(normalized[i]) : 0.0f;
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      // The same for every thread of the block, so the shuffles below see whole warps.
+      if (int64_t(i) * blockDim.x >= vectors) break;
+      const bool mine = owns<kVecsPerThread>(i, vectors);
+      float amax = mine ? vector_amax<T>(normalized[i]) : 0.0f;
 #pragma unroll
-        for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        }
-        const float scale = Output::scale(amax);
-        if (mine) {
-          store(i, fp8_divisor(scale));
-          if (owned(i) % kGroupLanes == 0) {
-            p.scales_out[group_scale_index(token, owned(i) / kGroupLanes, p.tokens, groups,
-                                           p.scales_column_major)] = scale;
-          }
-        }
+      for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       }
-    } else if constexpr (Output::kScope == OutputScope::kToken ||
-                         Output::kScope == OutputScope::kCall) {
-      float scale = static_scale;
-      if constexpr (Output::kScope == OutputScope::kToken) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kVecsPerThread; ++i) {
-          if (owns<kVecsPerThread>(i, vectors)) amax = fmaxf(amax, vector_amax<T>(normalized[i]));
+      const float scale = output_scale<OutputScope::kGroup>(p.quant, amax);
+      if (mine) {
+        store(i, fp8_divisor(scale));
+        if (owned(i) % kGroupLanes == 0) {
+          p.scales_out[group_scale_index(token, owned(i) / kGroupLanes, p.tokens, groups,
+                                         p.scales_column_major)] = scale;
         }
-        scale = Output::scale(block_max(amax, shared_values));
-        if (threadIdx.x == 0) p.scales_out[token] = scale;
-      }
-      const Fp8Divisor divisor = fp8_divisor(scale);
-#pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        if (owns<kVecsPerThread>(i, vectors)) store(i, divisor);
       }
     }
-  });
+    return;
+  }
+  float scale = static_scale;  // kCall
+  if (scope == OutputScope::kToken) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVecsPerThread; ++i) {
+      if (owns<kVecsPerThread>(i, vectors)) amax = fmaxf(amax, vector_amax<T>(normalized[i]));
+    }
+    scale = output_scale<OutputScope::kToken>(p.quant, block_max(amax, shared_values));
+    if (threadIdx.x == 0) p.scales_out[token] = scale;
+  }
+  const Fp8Divisor divisor = fp8_divisor(scale);
+#pragma unroll
+  for (int i = 0; i < kVecsPerThread; ++i) {
+    if (owns<kVecsPerThread>(i, vectors)) store(i, divisor);
+  }
 }
 
 // The epilogue for one token row whose fp32 rank sum each thread holds in `acc`; the residual

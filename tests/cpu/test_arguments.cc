@@ -58,16 +58,20 @@ class Arguments : public ::testing::Test {
   }
   // Runs `call` on rank 0 while rank 1 makes a good call; returns rank 1's error ("" if none).
   std::string against_good_peer(const std::function<void()>& call) {
+    return against_peer(peer_args_, call);
+  }
+  // Runs `call` on rank 0 while rank 1 calls with `peer`; returns rank 1's error ("" if none).
+  std::string against_peer(const AddRmsNormArgs& peer, const std::function<void()>& call) {
     std::string peer_error;
-    std::thread peer([&] {
+    std::thread peer_thread([&] {
       try {
-        allreduce_add_rmsnorm(team_[1], peer_args_);
+        allreduce_add_rmsnorm(team_[1], peer);
       } catch (const Error& error) {
         peer_error = error.what();
       }
     });
     call();
-    peer.join();
+    peer_thread.join();
     return peer_error;
   }
   // Both ranks make a good call: the team went on.
@@ -246,18 +250,11 @@ TEST_F(Arguments, RanksWhoseGroupScalesDifferInRuleAreTold) {
   };
   const AddRmsNormArgs args = group_call(args_, QuantMode::kPerTokenGroup128, mine);
   const AddRmsNormArgs peer = group_call(peer_args_, QuantMode::kPerTokenGroup128Ue8m0, theirs);
-  std::string peer_error;
-  std::thread peer_thread([&] {
-    try {
-      allreduce_add_rmsnorm(team_[1], peer);
-    } catch (const Error& error) {
-      peer_error = error.what();
-    }
+  const std::string peer_error = against_peer(peer, [&] {
+    expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                        "in quant: fp8 per token group of 128 here, fp8 per token group of 128 "
+                        "with power-of-two scales on rank 1");
   });
-  expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
-                      "in quant: fp8 per token group of 128 here, fp8 per token group of 128 with "
-                      "power-of-two scales on rank 1");
-  peer_thread.join();
   EXPECT_NE(peer_error.find("in quant: fp8 per token group of 128 with power-of-two scales here, "
                             "fp8 per token group of 128 on rank 0"),
             std::string::npos)

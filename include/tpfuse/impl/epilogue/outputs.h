@@ -38,6 +38,25 @@ TPF_HOST_DEVICE bool dispatch_output(QuantMode mode, Fn&& fn) {
   return dispatch_output_in(RowOutputs{}, mode, static_cast<Fn&&>(fn));
 }
 
+// The scope of `mode`'s output, host and device (kNone for a mode not listed).
+TPF_HOST_DEVICE OutputScope output_scope_of(QuantMode mode) {
+  OutputScope scope = OutputScope::kNone;
+  dispatch_output(mode, [&](auto output) { scope = decltype(output)::kScope; });
+  return scope;
+}
+
+// The scale step of `mode`'s output, one of those of scope kScope (kToken or kGroup), from an
+// amax. The GPU's quantize_row runs one code path a scope, the policies of a scope differing in
+// this step alone: a path a policy held more registers, and spilled, in the local kernels.
+template <OutputScope kScope>
+TPF_HOST_DEVICE float output_scale(QuantMode mode, float amax) {
+  float scale = 0.0f;
+  dispatch_output(mode, [&](auto output) {
+    if constexpr (decltype(output)::kScope == kScope) scale = decltype(output)::scale(amax);
+  });
+  return scale;
+}
+
 // The listed output of `mode`, or null.
 constexpr const OutputInfo* find_output(QuantMode mode) {
   for (const OutputInfo& info : RowOutputs::kInfos) {
