@@ -329,14 +329,15 @@ void quantize_row(const RowLoops<T>& loops, const Word* normalized, const RowCal
     if constexpr (Output::kScope == OutputScope::kCall) {
       loops.quantize(normalized, words, *p.quant_scale, out);
     } else if constexpr (Output::kScope == OutputScope::kToken) {
-      const float scale = Output::scale(loops.amax(normalized, words));
+      const float scale = Output::scale(dynamic_scale(loops.amax(normalized, words)));
       p.scales_out[token] = scale;
       loops.quantize(normalized, words, scale, out);
     } else if constexpr (Output::kScope == OutputScope::kGroup) {
       const int64_t per_group = kQuantGroupSize / kLanes<T>;
       const int64_t groups = p.hidden / kQuantGroupSize;
       for (int64_t g = 0; g < groups; ++g) {
-        const float scale = Output::scale(loops.amax(normalized + g * per_group, per_group));
+        const float scale =
+            Output::scale(dynamic_scale(loops.amax(normalized + g * per_group, per_group)));
         p.scales_out[group_scale_index(token, g, p.tokens, groups, p.scales_column_major)] = scale;
         loops.quantize(normalized + g * per_group, per_group, scale, out + g * kQuantGroupSize);
       }

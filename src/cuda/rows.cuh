@@ -209,7 +209,7 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       }
-      const float scale = output_scale<OutputScope::kGroup>(p.quant, amax);
+      const float scale = output_scale<OutputScope::kGroup>(p.quant, dynamic_scale(amax));
       if (mine) {
         store(i, fp8_divisor(scale));
         if (owned(i) % kGroupLanes == 0) {
@@ -227,7 +227,8 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) amax = fmaxf(amax, vector_amax<T>(normalized[i]));
     }
-    scale = output_scale<OutputScope::kToken>(p.quant, block_max(amax, shared_values));
+    scale =
+        output_scale<OutputScope::kToken>(p.quant, dynamic_scale(block_max(amax, shared_values)));
     if (threadIdx.x == 0) p.scales_out[token] = scale;
   }
   const Fp8Divisor divisor = fp8_divisor(scale);

@@ -111,7 +111,7 @@ RowOutputs expected_rows(const RowCase& c, const std::vector<std::vector<uint8_t
           impl::dispatch_output(c.quant, [&](auto output) {
             if constexpr (decltype(output)::kScope == impl::OutputScope::kToken ||
                           decltype(output)::kScope == impl::OutputScope::kGroup) {
-              s = decltype(output)::scale(amax);
+              s = decltype(output)::scale(impl::dynamic_scale(amax));
             }
           });
           return s;

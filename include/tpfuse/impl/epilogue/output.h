@@ -11,9 +11,11 @@
 //                   kGroup  one a group of kQuantGroupSize elements, written to scales_out
 //                           [tokens, hidden / 128] row- or column-major (hidden a multiple of
 //                           128);
-//   scale(amax)   (kToken, kGroup) the scale of a token or group from its largest magnitude, a
-//                 host+device step: the CUDA kernels (cuda/rows.cuh) and the CPU backend
-//                 (cpu/rows.cc) call it, so a scale has the same bits on both.
+//   scale(q)      (kToken, kGroup) the scale of a token or group from the quotient
+//                 q = max(amax, kQuantMinAmax) / 448 of its largest magnitude (fp8.h's
+//                 dynamic_scale, computed by the caller: one IEEE division however many policies
+//                 a kernel may pick from), a host+device step: the CUDA kernels (cuda/rows.cuh)
+//                 and the CPU backend (cpu/rows.cc) call it, so a scale has the same bits on both.
 // The bytes are quantize_vector's (fp8.h) at that scale on every backend. A policy adds no kernel:
 // the kernels with an FP8 output pick the policy of the call's mode at run time (dispatch_output),
 // so the instantiation count does not grow with the list.

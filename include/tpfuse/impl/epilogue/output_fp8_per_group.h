@@ -12,7 +12,7 @@ struct Fp8PerGroupOutput {
   static constexpr const char* kName = "per_token_group_128";
   static constexpr const char* kDescription = "fp8 per token group of 128";
   static constexpr OutputScope kScope = OutputScope::kGroup;
-  TPF_HOST_DEVICE static float scale(float amax) { return dynamic_scale(amax); }
+  TPF_HOST_DEVICE static float scale(float quotient) { return quotient; }
 };
 
 }  // namespace tpfuse::impl

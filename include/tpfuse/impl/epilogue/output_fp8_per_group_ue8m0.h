@@ -30,9 +30,7 @@ struct Fp8PerGroupUe8m0Output {
   static constexpr const char* kName = "per_token_group_128_ue8m0";
   static constexpr const char* kDescription = "fp8 per token group of 128 with power-of-two scales";
   static constexpr OutputScope kScope = OutputScope::kGroup;
-  TPF_HOST_DEVICE static float scale(float amax) {
-    return power_of_two_at_least(dynamic_scale(amax));
-  }
+  TPF_HOST_DEVICE static float scale(float quotient) { return power_of_two_at_least(quotient); }
 };
 
 }  // namespace tpfuse::impl

@@ -11,7 +11,7 @@ struct Fp8PerTokenOutput {
   static constexpr const char* kName = "per_token";
   static constexpr const char* kDescription = "fp8 per token";
   static constexpr OutputScope kScope = OutputScope::kToken;
-  TPF_HOST_DEVICE static float scale(float amax) { return dynamic_scale(amax); }
+  TPF_HOST_DEVICE static float scale(float quotient) { return quotient; }
 };
 
 }  // namespace tpfuse::impl

@@ -45,14 +45,15 @@ TPF_HOST_DEVICE OutputScope output_scope_of(QuantMode mode) {
   return scope;
 }
 
-// The scale step of `mode`'s output, one of those of scope kScope (kToken or kGroup), from an
-// amax. The GPU's quantize_row runs one code path a scope, the policies of a scope differing in
-// this step alone: a path a policy held more registers, and spilled, in the local kernels.
+// The scale step of `mode`'s output, one of those of scope kScope (kToken or kGroup), from the
+// quotient (output.h). The GPU's quantize_row runs one code path a scope, the policies of a scope
+// differing in this step alone: a path a policy held more registers, and spilled, in the local
+// kernels.
 template <OutputScope kScope>
-TPF_HOST_DEVICE float output_scale(QuantMode mode, float amax) {
-  float scale = 0.0f;
+TPF_HOST_DEVICE float output_scale(QuantMode mode, float quotient) {
+  float scale = quotient;
   dispatch_output(mode, [&](auto output) {
-    if constexpr (decltype(output)::kScope == kScope) scale = decltype(output)::scale(amax);
+    if constexpr (decltype(output)::kScope == kScope) scale = decltype(output)::scale(quotient);
   });
   return scale;
 }
