@@ -66,7 +66,8 @@ if(TPFUSE_HAVE_SYCL)
   # The headers device code includes, as the kernel compiler sees them: include/tpfuse's
   # under their include names, src/sycl/device's as tpfuse/sycl/<name>.
   file(GLOB tpfuse_sycl_library_headers CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/include
-    ${PROJECT_SOURCE_DIR}/include/tpfuse/*.h ${PROJECT_SOURCE_DIR}/include/tpfuse/impl/*.h)
+    ${PROJECT_SOURCE_DIR}/include/tpfuse/*.h ${PROJECT_SOURCE_DIR}/include/tpfuse/impl/*.h
+    ${PROJECT_SOURCE_DIR}/include/tpfuse/impl/*/*.h)
   set(tpfuse_sycl_embedded)
   foreach(header IN LISTS tpfuse_sycl_library_headers)
     list(APPEND tpfuse_sycl_embedded "${header}=${PROJECT_SOURCE_DIR}/include/${header}")

@@ -308,10 +308,20 @@ const char* norm_weight_name(NormWeight weight);
 //                      [tokens, groups] tensor) or, with scales_column_major, column-major
 //                      (index g * tokens + t: token-major, as CUTLASS's and DeepGEMM's Hopper
 //                      blockwise FP8 GEMMs read activation scales).
+//   kPerTokenGroup128Ue8m0: kPerTokenGroup128 with each scale rounded up to a power of two,
+//                      scale[t, g] = 2^ceil(log2(max(amax, 1e-10) / 448)) (DeepSeek-V3's UE8M0
+//                      scales, as DeepGEMM's Blackwell FP8 GEMMs take them), stored as fp32 in the
+//                      same layouts: its exponent byte is the UE8M0 byte.
 // n is the norm output as stored (norm_out, rounded to dtype), so q is exactly what quantizing
 // norm_out gives; e4m3 rounds to nearest even and saturates at ±448 (NaN stays NaN, 0x7f). The
 // division is IEEE fp32 on every backend: the same bits from the CPU and the GPU for the same n.
-enum class QuantMode : int { kNone = 0, kStatic = 1, kPerToken = 2, kPerTokenGroup128 = 3 };
+enum class QuantMode : int {
+  kNone = 0,
+  kStatic = 1,
+  kPerToken = 2,
+  kPerTokenGroup128 = 3,
+  kPerTokenGroup128Ue8m0 = 4
+};
 const char* quant_mode_name(QuantMode mode);
 
 struct AddRmsNormArgs {
@@ -324,12 +334,12 @@ struct AddRmsNormArgs {
   void* norm_out = nullptr;
   // FP8 output (QuantMode above): quant_out [tokens, hidden] bytes, 16-byte aligned;
   // quant_scale: kStatic's scale (one fp32, this rank's device memory on CUDA); scales_out:
-  // kPerToken's [tokens] or kPerTokenGroup128's [tokens, hidden / 128] fp32.
+  // kPerToken's [tokens] or the group modes' [tokens, hidden / 128] fp32.
   QuantMode quant = QuantMode::kNone;
   void* quant_out = nullptr;
   const float* quant_scale = nullptr;
   float* scales_out = nullptr;
-  bool scales_column_major = false;  // kPerTokenGroup128's layout (above)
+  bool scales_column_major = false;  // the group modes' layout (above)
   // MoE finalize, in place of input: this rank's top-k expert output rows
   // moe_expert_rows [tokens, moe_topk, hidden] (dtype), their routing weights moe_weights
   // [tokens, moe_topk] (fp32, or dtype with moe_weights_in_dtype) and, where the model has one, a

@@ -54,7 +54,9 @@ ONE_PLUS_GAMMA, 1 + gamma in fp32 (Gemma's and Qwen3-Next's zero-centered weight
 Quant = _enum("Quant", "QuantMode", """The norm's FP8 E4M3 output (tpfuse::QuantMode):
 q = e4m3(norm / scale), round to nearest even, saturating at 448. STATIC takes the scale (a
 float32 tensor of one element); PER_TOKEN and PER_TOKEN_GROUP_128 compute max(amax, 1e-10) / 448
-per token, or per group of 128 channels ([tokens, hidden / 128], row-major), and return it.""",
+per token, or per group of 128 channels ([tokens, hidden / 128], row-major), and return it;
+PER_TOKEN_GROUP_128_UE8M0 rounds each group's scale up to a power of two,
+2^ceil(log2(max(amax, 1e-10) / 448)) (DeepSeek-V3's UE8M0 scales, returned as float32).""",
               values=_DESCRIPTION["ops"]["allreduce_add_rmsnorm_fp8"]["enums"]["quant"]["values"])
 
 RopeStyle = _enum("RopeStyle", "RopeStyle", """The rotary embedding after the QK norm
@@ -206,7 +208,7 @@ allreduce_add_rmsnorm.""")
 allreduce_add_rmsnorm_fp8 = _wrapper("allreduce_add_rmsnorm_fp8", """\
 (norm_out, residual_out, quant_out, scales): allreduce_add_rmsnorm's outputs and the norm's FP8
 output (quant_out float8_e4m3fn [tokens, hidden]; scales float32, see Quant; empty for STATIC;
-PER_TOKEN_GROUP_128's [tokens, hidden / 128] column-major with column_major_scales, as CUTLASS's
+the group modes' [tokens, hidden / 128] column-major with column_major_scales, as CUTLASS's
 and DeepGEMM's blockwise FP8 GEMMs read them). With keep_norm=False no bf16 norm is written
 (norm_out is [0, hidden]): for a norm whose only reader is the FP8 GEMM; the other outputs keep
 their bits.""")

@@ -600,7 +600,10 @@ class QkNormRope(FusedPattern):
 # max(amax, 1e-10) / 448 over the norm output upcast to fp32 (SGLang's and DeepSeek's reference
 # form). Not matched (left unfused, as the ops differ in bits): a multiply by the scale's
 # reciprocal, a floor on the scale instead of the amax or any other floor, amax taken before the
-# upcast with its floor in bf16, column-major scales (call the op with column_major_scales).
+# upcast with its floor in bf16, column-major scales (call the op with column_major_scales), and
+# power-of-two group scales (Quant.PER_TOKEN_GROUP_128_UE8M0; call the op): model code writes
+# them torch.pow(2, torch.ceil(torch.log2(scale))), whose fp32 log2 rounds a scale just above a
+# power of two down onto it (2^-9 * (1 + 2^-23) gives -9.0), where the op rounds up exactly.
 
 FUSED_NORM_FP8 = torch.ops.tpfuse.allreduce_add_rmsnorm_fp8.default
 _FP8 = torch.float8_e4m3fn

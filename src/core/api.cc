@@ -8,6 +8,7 @@
 #include "core/calls.h"
 #include "core/error.h"
 #include "core/selection.h"
+#include "core/signature_fields.h"
 #include "core/team_state.h"
 #include "core/validate.h"
 #include "tpfuse/impl/enums.h"
@@ -44,17 +45,8 @@ const char* norm_weight_name(NormWeight weight) {
 }
 
 const char* quant_mode_name(QuantMode mode) {
-  switch (mode) {
-    case QuantMode::kNone:
-      return "none";
-    case QuantMode::kStatic:
-      return "fp8 static";
-    case QuantMode::kPerToken:
-      return "fp8 per token";
-    case QuantMode::kPerTokenGroup128:
-      return "fp8 per token group of 128";
-  }
-  return "unknown";
+  const impl::OutputInfo* output = impl::find_output(mode);
+  return output != nullptr ? output->description : "unknown";
 }
 
 namespace {
@@ -179,10 +171,7 @@ CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& 
   if (epilogue.quant) {
     const uint64_t fp8_bytes = uint64_t(call.hidden);
     out.rows[out.count++] = {call.quant_out, call.tokens, fp8_bytes, fp8_bytes, kFp8NanWord};
-    const int64_t scales = call.quant == QuantMode::kPerToken ? call.tokens
-                           : call.quant == QuantMode::kPerTokenGroup128
-                               ? call.tokens * (call.hidden / kQuantGroupSize)
-                               : 0;
+    const int64_t scales = output_scale_count(call.quant, call.tokens, call.hidden);
     out.rows[out.count++] = {call.scales_out, 1, uint64_t(scales) * 4, 0, kFloatNanWord};
   }
   return out;
@@ -233,17 +222,20 @@ QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
 
 CallSignature row_signature(CallOp op, DType dtype, const RowEpilogueKind& epilogue, int64_t tokens,
                             int64_t hidden, float eps, QuantMode quant, int moe_topk) {
-  const uint32_t word0 = uint32_t(op) | uint32_t(dtype) << 4 | uint32_t(epilogue.residual) << 8 |
-                         uint32_t(epilogue.norm) << 9 | uint32_t(epilogue.weight) << 10 |
-                         uint32_t(quant) << 12 | uint32_t(epilogue.moe) << 16;
+  const uint32_t word0 = kOpField.encode(uint32_t(op)) | kDTypeField.encode(uint32_t(dtype)) |
+                         kResidualField.encode(epilogue.residual) |
+                         kNormField.encode(epilogue.norm) |
+                         kWeightField.encode(uint32_t(epilogue.weight)) |
+                         kOutputField.encode(uint32_t(quant)) | kMoeField.encode(epilogue.moe);
   const uint32_t extra[] = {epilogue.norm ? float_bits(eps) : 0u,
                             epilogue.moe ? uint32_t(moe_topk) : 0u};
   return make_signature(word0, uint32_t(tokens), uint32_t(hidden), extra, 2);
 }
 
 CallSignature qk_signature(const QkNormArgs& a) {
-  const uint32_t word0 =
-      uint32_t(CallOp::kQkOneShot) | uint32_t(a.dtype) << 4 | uint32_t(a.rope) << 12;
+  const uint32_t word0 = kOpField.encode(uint32_t(CallOp::kQkOneShot)) |
+                         kDTypeField.encode(uint32_t(a.dtype)) |
+                         kRopeField.encode(uint32_t(a.rope));
   const uint32_t extra[] = {uint32_t(a.k_global_size), uint32_t(a.head_dim),
                             uint32_t(a.rope != RopeStyle::kNone ? a.rotary_dim : 0),
                             uint32_t(a.kv_replicas), float_bits(a.eps)};

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/signature_fields.h"
 #include "core/team_state.h"
 #include "tpfuse/impl/session.h"
 
@@ -28,48 +29,36 @@ const char* op_name(uint32_t op) {
   return "an unknown op";
 }
 
-const char* dtype_code_name(uint32_t code) {
-  return code <= 2 ? dtype_name(DType(int(code))) : "unknown";
-}
-
-// The first field of word[0] that differs, written as "<field>: <here> here, <there> on rank P".
+// The first field of word[0] that differs (signature_fields.h), written as
+// "<field>: <here> here, <there> on rank P".
 void describe_word0(std::ostream& out, uint32_t mine, uint32_t theirs, int peer) {
-  const auto field = [](uint32_t word, int shift, uint32_t mask) { return (word >> shift) & mask; };
   const auto stand_in = [](uint32_t word) {
     return (word & kStandInQkBit) != 0 ? "the NCCL path of the QK norm"
                                        : "the NCCL path of a row call";
   };
-  if (field(mine, 0, 0xf) == uint32_t(CallOp::kNccl) &&
-      field(theirs, 0, 0xf) == field(mine, 0, 0xf) &&
+  const uint32_t op = kOpField.decode(mine);
+  if (op == uint32_t(CallOp::kNccl) && kOpField.decode(theirs) == op &&
       (mine & kStandInQkBit) != (theirs & kStandInQkBit)) {
     out << "the op: " << stand_in(mine) << " here, " << stand_in(theirs) << " on rank " << peer;
-  } else if (field(mine, 0, 0xf) != field(theirs, 0, 0xf)) {
-    out << "the op / algorithm: " << op_name(field(mine, 0, 0xf)) << " here, "
-        << op_name(field(theirs, 0, 0xf)) << " on rank " << peer;
-  } else if (field(mine, 4, 0xf) != field(theirs, 4, 0xf)) {
-    out << "dtype: " << dtype_code_name(field(mine, 4, 0xf)) << " here, "
-        << dtype_code_name(field(theirs, 4, 0xf)) << " on rank " << peer;
-  } else if (field(mine, 8, 1) != field(theirs, 8, 1)) {
-    out << "residual: " << (field(mine, 8, 1) ? "given" : "none") << " here, "
-        << (field(theirs, 8, 1) ? "given" : "none") << " on rank " << peer;
-  } else if (field(mine, 9, 1) != field(theirs, 9, 1)) {
-    out << "the epilogue: " << (field(mine, 9, 1) ? "add + RMSNorm" : "a plain sum") << " here, "
-        << (field(theirs, 9, 1) ? "add + RMSNorm" : "a plain sum") << " on rank " << peer;
-  } else if (field(mine, 10, 3) != field(theirs, 10, 3)) {
-    out << "norm_weight: " << norm_weight_name(NormWeight(int(field(mine, 10, 3)))) << " here, "
-        << norm_weight_name(NormWeight(int(field(theirs, 10, 3)))) << " on rank " << peer;
-  } else if (field(mine, 0, 0xf) != uint32_t(CallOp::kQkOneShot) &&
-             field(mine, 16, 1) != field(theirs, 16, 1)) {
-    out << "the input: " << (field(mine, 16, 1) ? "a MoE combine" : "input") << " here, "
-        << (field(theirs, 16, 1) ? "a MoE combine" : "input") << " on rank " << peer;
-  } else if (field(mine, 0, 0xf) != uint32_t(CallOp::kQkOneShot)) {
-    // Row calls keep their FP8 output's mode where the QK norm keeps its RoPE style.
-    out << "quant: " << quant_mode_name(QuantMode(int(field(mine, 12, 3)))) << " here, "
-        << quant_mode_name(QuantMode(int(field(theirs, 12, 3)))) << " on rank " << peer;
-  } else {
-    out << "rope: style " << field(mine, 12, 3) << " here, " << field(theirs, 12, 3) << " on rank "
-        << peer;
+    return;
   }
+  if (op != kOpField.decode(theirs)) {
+    out << kOpField.name << ": " << op_name(op) << " here, " << op_name(kOpField.decode(theirs))
+        << " on rank " << peer;
+    return;
+  }
+  const SignatureOf kind =
+      op == uint32_t(CallOp::kQkOneShot) ? SignatureOf::kQk : SignatureOf::kRows;
+  for (const SignatureField& field : kSignatureFields) {
+    if (field.of != SignatureOf::kAll && field.of != kind) continue;
+    if (field.decode(mine) == field.decode(theirs)) continue;
+    out << field.name << ": " << field.describe(field.decode(mine)) << " here, "
+        << field.describe(field.decode(theirs)) << " on rank " << peer;
+    return;
+  }
+  // Bits no field holds (none are set today).
+  out << "the call header: 0x" << std::hex << mine << " here, 0x" << theirs << std::dec
+      << " on rank " << peer;
 }
 
 // Headers alike but for their hash: when the peer's is this rank's signature as a nearby call

@@ -38,6 +38,12 @@ struct RowCall {
   bool moe_weights_in_dtype;
 };
 
+// The MoE combine's arguments of a row call (the MoeContribution policy's parameters).
+TPF_HOST_DEVICE MoeRows moe_rows_of(const RowCall& call) {
+  return {call.moe_rows, call.moe_weights, call.moe_shared, call.moe_topk,
+          call.moe_weights_in_dtype};
+}
+
 // A QK-norm call (or one of its local halves).
 struct QkCall {
   Exchange exchange;

@@ -33,11 +33,7 @@ bool same_or_disjoint(const void* a, const void* b, size_t bytes) {
 
 // Bytes of the dynamic scales a call writes (none for a static scale or no FP8 output).
 size_t scales_bytes_of(const AddRmsNormArgs& args) {
-  const int64_t scales = args.quant == QuantMode::kPerToken ? args.tokens
-                         : args.quant == QuantMode::kPerTokenGroup128
-                             ? args.tokens * (args.hidden / kQuantGroupSize)
-                             : 0;
-  return size_t(scales) * sizeof(float);
+  return size_t(output_scale_count(args.quant, args.tokens, args.hidden)) * sizeof(float);
 }
 
 }  // namespace
@@ -59,22 +55,26 @@ void validate_quant(const AddRmsNormArgs& args, const RowEpilogueKind& epilogue,
                 "quant_out is null but quant is " << quant_mode_name(args.quant));
   TPF_CHECK_ARG(args.quant_out == nullptr || is_aligned(args.quant_out), op,
                 "quant_out must be 16-byte aligned, got " << args.quant_out);
-  const bool static_scale = args.quant == QuantMode::kStatic;
+  // What the output policy's scope asks (epilogue/output.h).
+  const OutputScope scope = output_scope(args.quant);
+  const bool static_scale = scope == OutputScope::kCall;
   TPF_CHECK_ARG(!static_scale || args.quant_scale != nullptr, op,
-                "quant_scale is null: quant fp8 static needs the scale");
+                "quant_scale is null: quant " << quant_mode_name(args.quant) << " needs the scale");
   TPF_CHECK_ARG(static_scale || args.quant_scale == nullptr, op,
                 "quant_scale is given but quant is " << quant_mode_name(args.quant)
                                                      << " (the scales are computed)");
   TPF_CHECK_ARG(
       static_scale || args.scales_out != nullptr || !rows, op,
       "scales_out is null: quant " << quant_mode_name(args.quant) << " writes its scales there");
-  TPF_CHECK_ARG(!static_scale || args.scales_out == nullptr, op,
-                "scales_out is given but quant fp8 static computes no scales");
-  TPF_CHECK_ARG(!args.scales_column_major || args.quant == QuantMode::kPerTokenGroup128, op,
-                "scales_column_major is a layout of quant fp8 per token group of 128's scales, "
-                "but quant is "
+  TPF_CHECK_ARG(
+      !static_scale || args.scales_out == nullptr, op,
+      "scales_out is given but quant " << quant_mode_name(args.quant) << " computes no scales");
+  TPF_CHECK_ARG(!args.scales_column_major || scope == OutputScope::kGroup, op,
+                "scales_column_major is a layout of quant "
+                    << quant_mode_name(QuantMode::kPerTokenGroup128)
+                    << "'s scales (and the other group modes'), but quant is "
                     << quant_mode_name(args.quant));
-  if (args.quant == QuantMode::kPerTokenGroup128) {
+  if (scope == OutputScope::kGroup) {
     TPF_CHECK_ARG(args.hidden % kQuantGroupSize == 0, op,
                   "hidden must be a multiple of " << kQuantGroupSize << " for quant "
                                                   << quant_mode_name(args.quant) << ", got "

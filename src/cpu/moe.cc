@@ -1,9 +1,12 @@
-// The CPU backend's MoE finalize: each call's combine (epilogue.h's moe_* steps) is computed into
-// a buffer first, which the row calls then read as their input, with the epilogue's non-MoE twin.
-// The GPU kernels combine where they load input; both give the same contribution bits.
+// The CPU backend's MoE finalize: each call's combine (the MoeContribution policy's per-vector
+// step, tpfuse/impl/epilogue/contribution_moe.h) is computed into a buffer first, which the row
+// calls then read as their input, with the epilogue's non-MoE twin. The CUDA NCCL path
+// materializes it through the same step; the fused GPU kernels combine where they load input,
+// with the same steps: the same contribution bits.
 #include <cstring>
 #include <vector>
 
+#include "core/calls.h"
 #include "cpu/kernels.h"
 #include "tpfuse/impl/dispatch.h"
 #include "tpfuse/impl/epilogue.h"
@@ -13,25 +16,16 @@ namespace {
 
 template <typename T>
 void combine(const RowCall& p, Vec16* out) {
-  constexpr int64_t kElements = Packed<T>::kElements;
-  const int64_t vectors = p.hidden / kElements;
-  const auto vector_at = [](const void* base, int64_t index) {
+  const int64_t vectors = p.hidden / Packed<T>::kElements;
+  const MoeRows moe = moe_rows_of(p);
+  const auto load = [](const void* base, int64_t index) {
     Vec16 v;
     std::memcpy(&v, static_cast<const char*>(base) + index * 16, 16);
     return v;
   };
   for (int64_t token = 0; token < p.tokens; ++token) {
     for (int64_t v = 0; v < vectors; ++v) {
-      float acc[kElements] = {};
-      for (int j = 0; j < p.moe_topk; ++j) {
-        const int64_t row = token * p.moe_topk + j;
-        const float w = moe_weight<T>(p.moe_weights, p.moe_weights_in_dtype, row);
-        moe_accumulate<T>(acc, vector_at(p.moe_rows, row * vectors + v), w, j == 0);
-      }
-      if (p.moe_shared != nullptr) {
-        moe_add_shared<T>(acc, vector_at(p.moe_shared, token * vectors + v));
-      }
-      out[token * vectors + v] = pack<T>(acc);
+      out[token * vectors + v] = MoeContribution::combine_vector<T>(moe, token, vectors, v, load);
     }
   }
 }

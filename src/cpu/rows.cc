@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/signature_fields.h"
 #include "cpu/exchange.h"
 #include "cpu/kernels.h"
 #include "tpfuse/impl/dispatch.h"
@@ -314,37 +315,34 @@ const RowLoops<T>& row_loops() {
   return loops;
 }
 
-// The FP8 output of one row from its normalized row (as stored in norm_out): the scale of the
-// call, of the token or of each group of kQuantGroupSize elements (epilogue.h's steps, the same
-// as the GPU's).
+// The FP8 output of one row from its normalized row (as stored in norm_out): the Output policy
+// of the call's mode (tpfuse/impl/epilogue/outputs.h) gives the scale of the token or of each
+// group of kQuantGroupSize elements from its amax, with the same step as the GPU's; the call's
+// scale for kCall.
 template <typename T>
 void quantize_row(const RowLoops<T>& loops, const Word* normalized, const RowCall& p,
                   int64_t token) {
   const int64_t words = p.hidden / kLanes<T>;
   uint8_t* const out = static_cast<uint8_t*>(p.quant_out) + token * p.hidden;
-  switch (p.quant) {
-    case QuantMode::kStatic:
+  dispatch_output(p.quant, [&](auto output) {
+    using Output = decltype(output);
+    if constexpr (Output::kScope == OutputScope::kCall) {
       loops.quantize(normalized, words, *p.quant_scale, out);
-      break;
-    case QuantMode::kPerToken: {
-      const float scale = dynamic_scale(loops.amax(normalized, words));
+    } else if constexpr (Output::kScope == OutputScope::kToken) {
+      const float scale = Output::scale(dynamic_scale(loops.amax(normalized, words)));
       p.scales_out[token] = scale;
       loops.quantize(normalized, words, scale, out);
-      break;
-    }
-    case QuantMode::kPerTokenGroup128: {
+    } else if constexpr (Output::kScope == OutputScope::kGroup) {
       const int64_t per_group = kQuantGroupSize / kLanes<T>;
       const int64_t groups = p.hidden / kQuantGroupSize;
       for (int64_t g = 0; g < groups; ++g) {
-        const float scale = dynamic_scale(loops.amax(normalized + g * per_group, per_group));
-        p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] = scale;
+        const float scale =
+            Output::scale(dynamic_scale(loops.amax(normalized + g * per_group, per_group)));
+        p.scales_out[group_scale_index(token, g, p.tokens, groups, p.scales_column_major)] = scale;
         loops.quantize(normalized + g * per_group, per_group, scale, out + g * kQuantGroupSize);
       }
-      break;
     }
-    case QuantMode::kNone:
-      break;
-  }
+  });
 }
 
 // The epilogue over rows whose rank sum (fp32, split by lane) is in sum(): finish() rounds a row
@@ -608,8 +606,9 @@ void cpu_local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind&
 CallSignature stand_in_signature(const CallSignature& user, DType payload, int64_t rows,
                                  int64_t width, uint32_t piece) {
   const uint32_t qk = user.op() == CallOp::kQkOneShot ? kStandInQkBit : 0u;
-  const uint32_t word0 =
-      uint32_t(CallOp::kNccl) | uint32_t(payload) << 4 | (user.header.word[0] & 0x000fff00u) | qk;
+  const uint32_t word0 = kOpField.encode(uint32_t(CallOp::kNccl)) |
+                         kDTypeField.encode(uint32_t(payload)) |
+                         (user.header.word[0] & kRowEpilogueBits) | qk;
   const uint32_t extra[] = {user.hash(), piece};
   return make_signature(word0, uint32_t(rows), uint32_t(width), extra, 2);
 }

@@ -135,18 +135,23 @@ LocalKernel staging_kernel() {
   }
 }
 
-// The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces.
+// The MoE combine alone, rounded, into `out` [tokens, hidden]: what the NCCL path all-reduces,
+// through the MoeContribution policy's per-vector step, as the CPU backend materializes it.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __global__ void __launch_bounds__(kMaxThreads) moe_combine_kernel(const RowCall p, void* out) {
   const int64_t vectors = p.hidden / Packed<T>::kElements;
   grid_dependency_wait();
   launch_dependents();
+  const MoeRows moe = moe_rows_of(p);
+  const auto load = [](const void* base, int64_t index) { return load_vector(base, index); };
   for (int64_t token = blockIdx.x; token < p.tokens; token += gridDim.x) {
-    Vec16 row[kVecsPerThread];
-    load_contribution<T, Epilogue, kVecsPerThread>(p, token, vectors, row);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      if (owns<kVecsPerThread>(i, vectors)) store_vector(out, token * vectors + owned(i), row[i]);
+      if (owns<kVecsPerThread>(i, vectors)) {
+        store_vector(out, token * vectors + owned(i),
+                     Epilogue::Contribution::template combine_vector<T>(moe, token, vectors,
+                                                                        owned(i), load));
+      }
     }
   }
 }

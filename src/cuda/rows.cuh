@@ -32,7 +32,8 @@ __device__ __forceinline__ void load_row(const void* base, int64_t row, int64_t 
 }
 
 // This thread's vectors of token `token`'s contribution to the sum: its input row, or (kHasMoe)
-// the MoE combine of its expert rows (epilogue.h's steps), rounded once to T. The expert rows are
+// the MoE combine of its expert rows (the MoeContribution policy's steps,
+// epilogue/contribution_moe.h, a row's vectors at a time), rounded once to T. The expert rows are
 // loaded kChunk at a time, all in flight before the first is added, and added in order.
 template <typename T, typename Epilogue, int kVecsPerThread>
 __device__ __forceinline__ void load_contribution(const RowCall& p, int64_t token, int64_t vectors,
@@ -168,11 +169,13 @@ __device__ __forceinline__ void gamma_vectors(const GammaInMemory& in, int64_t v
   load_row<kVecsPerThread>(in.gamma, 0, vectors, out);
 }
 
-// The FP8 output of a token row from this thread's normalized vectors (epilogue.h's steps): the
-// call's static scale, the token's (a block max) or each group's. A group's kQuantGroupSize
-// elements are consecutive vectors held by consecutive lanes of one warp (blockDim is a multiple
-// of 32 and hidden of the group size), so its max is a shuffle over 16 (or, for fp32, 32) lanes;
-// every lane takes part in the shuffles, those without a vector with 0.
+// The FP8 output of a token row from this thread's normalized vectors: the Output policy of the
+// call's mode (tpfuse/impl/epilogue/outputs.h, picked at run time: no kernel per policy), one
+// code path a scope (output_scale picks the policy's scale step): the call's static scale
+// (kCall), the token's (a block max) or each group's (kGroup). A group's
+// kQuantGroupSize elements are consecutive vectors held by consecutive lanes of one warp
+// (blockDim is a multiple of 32 and hidden of the group size), so its max is a shuffle over 16
+// (or, for fp32, 32) lanes; every lane takes part in the shuffles, those without a vector with 0.
 template <typename T, int kVecsPerThread>
 __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerThread],
                                              const RowCall& p, int64_t token, int64_t vectors,
@@ -192,7 +195,8 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       *reinterpret_cast<uint32_t*>(at) = word;
     }
   };
-  if (p.quant == QuantMode::kPerTokenGroup128) {
+  const OutputScope scope = output_scope_of(p.quant);
+  if (scope == OutputScope::kGroup) {
     constexpr int kGroupLanes = int(kQuantGroupSize) / kElements;  // 16, or 32 for fp32
     const int64_t groups = p.hidden / kQuantGroupSize;
 #pragma unroll
@@ -205,26 +209,26 @@ __device__ __forceinline__ void quantize_row(const Vec16 (&normalized)[kVecsPerT
       for (int offset = kGroupLanes / 2; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       }
-      const float scale = dynamic_scale(amax);
+      const float scale = output_scale<OutputScope::kGroup>(p.quant, dynamic_scale(amax));
       if (mine) {
         store(i, fp8_divisor(scale));
         if (owned(i) % kGroupLanes == 0) {
-          const int64_t group = owned(i) / kGroupLanes;
-          p.scales_out[p.scales_column_major ? group * p.tokens + token : token * groups + group] =
-              scale;
+          p.scales_out[group_scale_index(token, owned(i) / kGroupLanes, p.tokens, groups,
+                                         p.scales_column_major)] = scale;
         }
       }
     }
     return;
   }
-  float scale = static_scale;
-  if (p.quant == QuantMode::kPerToken) {
+  float scale = static_scale;  // kCall
+  if (scope == OutputScope::kToken) {
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
       if (owns<kVecsPerThread>(i, vectors)) amax = fmaxf(amax, vector_amax<T>(normalized[i]));
     }
-    scale = dynamic_scale(block_max(amax, shared_values));
+    scale =
+        output_scale<OutputScope::kToken>(p.quant, dynamic_scale(block_max(amax, shared_values)));
     if (threadIdx.x == 0) p.scales_out[token] = scale;
   }
   const Fp8Divisor divisor = fp8_divisor(scale);
@@ -263,7 +267,8 @@ __device__ __forceinline__ void finish_row(float (&acc)[kVecsPerThread][Packed<T
     // The static FP8 scale, loaded while the reduction runs.
     float static_scale = 1.0f;
     if constexpr (Epilogue::kHasQuant) {
-      if (p.quant == QuantMode::kStatic) static_scale = *p.quant_scale;
+      // Given for a kCall output alone (validate_quant).
+      if (p.quant_scale != nullptr) static_scale = *p.quant_scale;
     }
     const float scale = rms_scale(block_sum(sum_squares, shared_sums), p.hidden, p.eps);
     Vec16 normalized[kVecsPerThread];

@@ -19,8 +19,8 @@ struct EmbeddedTexts {
   const EmbeddedText* end() const { return first + count; }
 };
 
-// include/tpfuse/*.h and include/tpfuse/impl/*.h under their include names, src/sycl/device/*.h
-// as tpfuse/sycl/<name>, and the generated tpfuse/version.h.
+// include/tpfuse/*.h, include/tpfuse/impl/*.h and include/tpfuse/impl/*/*.h under their include
+// names, src/sycl/device/*.h as tpfuse/sycl/<name>, and the generated tpfuse/version.h.
 EmbeddedTexts library_headers();
 
 }  // namespace tpfuse::sycl_backend

@@ -255,9 +255,11 @@ std::vector<at::Tensor> rows_shapes(const RowsCall& call, const OpForm& form) {
   if (call.quant == QuantMode::kNone) return outputs;
   outputs.push_back(at::empty_symint(rows.sym_sizes(), rows.options().dtype(at::kFloat8_e4m3fn)));
   const at::TensorOptions scales = rows.options().dtype(at::kFloat);
-  if (call.quant == QuantMode::kPerToken) {
+  // The scales' shape follows the output policy's scope (tpfuse/impl/epilogue/output.h).
+  const impl::OutputScope scope = impl::output_scope(call.quant);
+  if (scope == impl::OutputScope::kToken) {
     outputs.push_back(at::empty_symint({rows.sym_size(0)}, scales));
-  } else if (call.quant == QuantMode::kPerTokenGroup128) {
+  } else if (scope == impl::OutputScope::kGroup) {
     // The width is fixed in a compiled graph, and so is the group count: guard on it alone
     // (size() would fix every size of the tensor). A width the groups do not divide has no
     // scales' shape.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <iterator>
@@ -37,7 +38,7 @@ struct CaseSpec {
   QuantMode quant = QuantMode::kNone;  // an FP8 output of the norm too
   bool norm_out = true;                // with an FP8 output: whether the bf16 norm is kept
   float static_scale = 0.01f;          // QuantMode::kStatic's scale
-  bool scales_column_major = false;    // QuantMode::kPerTokenGroup128's layout
+  bool scales_column_major = false;    // the group modes' layout
   int moe_topk = 0;                    // > 0: the MoE finalize (CaseData::moe_*) in place of input
   bool moe_shared = false;             // with a shared expert's rows
   bool moe_weights_in_dtype = false;   // routing weights in dtype (else fp32)
@@ -157,6 +158,7 @@ class OneShotRunner {
       case QuantMode::kPerToken:
         return size_t(spec.tokens);
       case QuantMode::kPerTokenGroup128:
+      case QuantMode::kPerTokenGroup128Ue8m0:
         return size_t(spec.tokens * (spec.hidden / kQuantGroupSize));
       default:
         return 0;
@@ -328,10 +330,16 @@ class OneShotRunner {
 };
 
 // Checks one call's outputs against the float64 reference and across ranks (bitwise).
+// Whether a mode has a scale a group of kQuantGroupSize.
+inline bool group_mode(QuantMode mode) {
+  return mode == QuantMode::kPerTokenGroup128 || mode == QuantMode::kPerTokenGroup128Ue8m0;
+}
+
 // The FP8 output against its definition (tpfuse.h, QuantMode), computed here from each rank's
 // norm_out as stored: the scales bit for bit (max |n| of the token or group, floored at
-// kQuantMinAmax, / 448 in fp32), every byte the independent E4M3 reference of n / scale (fp32
-// division), identical bits on every rank. norm_out itself is checked against float64 above.
+// kQuantMinAmax, / 448 in fp32; for kPerTokenGroup128Ue8m0 2^ceil(log2(that quotient)) in
+// float64), every byte the independent E4M3 reference of n / scale (fp32 division), identical
+// bits on every rank. norm_out itself is checked against float64 above.
 inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result) {
   const int64_t groups = spec.hidden / kQuantGroupSize;
   for (size_t r = 0; r < result.norm_out.size(); ++r) {
@@ -346,6 +354,10 @@ inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result)
         for (int64_t i = begin; i < end; ++i) {
           if (!std::isnan(n(i))) amax = std::max(amax, std::fabs(n(i)));
         }
+        if (spec.quant == QuantMode::kPerTokenGroup128Ue8m0) {
+          const double quotient = std::max(double(amax), double(kQuantMinAmax)) / 448.0;
+          return float(std::pow(2.0, std::ceil(std::log2(quotient))));
+        }
         return std::max(amax, kQuantMinAmax) / 448.0f;
       };
       // The token's scale, or its group's (each taken once, at the token's or group's start).
@@ -358,7 +370,7 @@ inline void expect_quant_correct(const CaseSpec& spec, const CaseResult& result)
                           << scales[size_t(t)] << ", expected " << scale;
             ++wrong;
           }
-        } else if (spec.quant == QuantMode::kPerTokenGroup128 && i % kQuantGroupSize == 0) {
+        } else if (group_mode(spec.quant) && i % kQuantGroupSize == 0) {
           const int64_t g = i / kQuantGroupSize;
           scale = scale_over(g * kQuantGroupSize, (g + 1) * kQuantGroupSize);
           const size_t at = size_t(spec.scales_column_major ? g * spec.tokens + t : t * groups + g);
@@ -799,8 +811,8 @@ inline void expect_same_bits_without_norm(const CaseSpec& bare, const CaseResult
 inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
   std::mt19937_64 rng(seed);
   OneShotRunner runner(harness);
-  const QuantMode modes[] = {QuantMode::kStatic, QuantMode::kPerToken,
-                             QuantMode::kPerTokenGroup128};
+  const QuantMode modes[] = {QuantMode::kStatic, QuantMode::kPerToken, QuantMode::kPerTokenGroup128,
+                             QuantMode::kPerTokenGroup128Ue8m0};
   const int64_t widths[] = {128, 384, 1152, 3072, 4096, 4224, 7168};
   for (int c = 0; c < cases; ++c) {
     CaseSpec spec;
@@ -812,9 +824,9 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
     spec.norm_in_place = rng() % 4 == 0;
     spec.residual_in_place = spec.residual && rng() % 4 == 0;
     spec.norm_weight = rng() % 3 == 0 ? NormWeight::kOnePlusGamma : NormWeight::kGamma;
-    spec.quant = modes[c % 3];
+    spec.quant = modes[c % std::size(modes)];
     spec.static_scale = rng() % 2 ? 0.004f : 0.02f;
-    spec.scales_column_major = spec.quant == QuantMode::kPerTokenGroup128 && rng() % 2 == 0;
+    spec.scales_column_major = group_mode(spec.quant) && rng() % 2 == 0;
     spec.tokens = std::min(spec.tokens, max_tokens_of(harness, spec));
     CaseData data = random_case(rng, spec, harness.world_size());
     if (c % 5 == 4) {
@@ -858,6 +870,92 @@ inline void check_fp8_outputs(Harness& harness, uint64_t seed, int cases) {
     bare.norm_in_place = false;
     expect_same_bits_without_norm(bare, result, runner.run(bare, data));
     if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// The power-of-two (UE8M0) group scales at their edges. Rank 0's rows are +-1 and every other
+// rank's +-0 (the sentinel's bits in 16 bits among them), no residual, eps 0: the rank sum is
+// exactly +-1, its mean square exactly 1, so the norm is exactly +-gamma and each group's amax is
+// built from gamma: exactly 448 * 2^-10 (the scale exactly 2^-10: no rounding up), exactly a
+// power of two (1: 2^-8), just above 448 * 2^3 (2^4), zeros (the floor: 2^-42), the dtype's
+// subnormals (the floor, but fp16's lie above it), an Inf (an infinite scale: its byte NaN, the
+// others zero), a NaN beside numbers (not the amax), and a tiny normal one (448 * 2^-20: 2^-20).
+// Every dtype, both layouts, on the harness's algorithm: the scales and bytes against the float64
+// definition (expect_quant_correct), the scales each a power of two, and each group's the one it
+// was built for.
+inline void check_fp8_power_of_two_scales(Harness& harness, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  OneShotRunner runner(harness);
+  constexpr int64_t kGroups = 8;
+  const double subnormal[] = {std::ldexp(1.0, -149), std::ldexp(1.0, -24), std::ldexp(1.0, -133)};
+  for (const DType dtype : kDTypes) {
+    for (const bool column_major : {false, true}) {
+      CaseSpec spec;
+      spec.dtype = dtype;
+      spec.hidden = kGroups * kQuantGroupSize;
+      spec.tokens = std::min<int64_t>(5, max_tokens_of(harness, spec));
+      spec.residual = false;
+      spec.residual_out = false;
+      spec.eps = 0.0f;
+      spec.quant = QuantMode::kPerTokenGroup128Ue8m0;
+      spec.scales_column_major = column_major;
+      CaseData data = random_case(rng, spec, harness.world_size());
+      const size_t count = size_t(spec.tokens * spec.hidden);
+      for (int r = 0; r < harness.world_size(); ++r) {
+        for (size_t i = 0; i < count; ++i) {
+          const bool negative = rng() % 2 == 0;
+          data.inputs[size_t(r)].set(i, r == 0 ? (negative ? -1.0 : 1.0) : (negative ? -0.0 : 0.0));
+        }
+      }
+      // gamma by group: the largest magnitude at a random element, the others below it.
+      const double tiny = subnormal[dtype == DType::kFloat32   ? 0
+                                    : dtype == DType::kFloat16 ? 1
+                                                               : 2];
+      const double amax[kGroups] = {448.0 * std::ldexp(1.0, -10),
+                                    1.0,
+                                    448.0 * 8.0 * (1.0 + 1.0 / 128.0),
+                                    0.0,
+                                    3.0 * tiny,
+                                    INFINITY,
+                                    2.0,
+                                    448.0 * std::ldexp(1.0, -20)};
+      // fp16's subnormals (3 * 2^-24 / 448 = 1.67 * 2^-32) lie above the floor, bf16's and fp32's
+      // below it.
+      const float subnormal_scale = dtype == DType::kFloat16 ? 0x1p-31f : 0x1p-42f;
+      const float expected_scale[kGroups] = {0x1p-10f,        0x1p-8f,  0x1p4f,  0x1p-42f,
+                                             subnormal_scale, INFINITY, 0x1p-7f, 0x1p-20f};
+      std::uniform_real_distribution<double> below(0.0, 0.5);
+      for (int64_t g = 0; g < kGroups; ++g) {
+        const int64_t top = g * kQuantGroupSize + int64_t(rng() % kQuantGroupSize);
+        for (int64_t i = g * kQuantGroupSize; i < (g + 1) * kQuantGroupSize; ++i) {
+          const double magnitude = i == top              ? amax[g]
+                                   : std::isinf(amax[g]) ? below(rng)
+                                   : g == 4              ? tiny * double(rng() % 3)
+                                                         : amax[g] * below(rng);
+          data.gamma.set(size_t(i), rng() % 2 == 0 ? -magnitude : magnitude);
+        }
+        if (g == 6) data.gamma.set(size_t(top == g * kQuantGroupSize ? top + 1 : top - 1), NAN);
+      }
+      const CaseResult result = runner.run(spec, data);
+      expect_quant_correct(spec, result);
+      for (size_t r = 0; r < result.norm_out.size(); ++r) {
+        for (int64_t t = 0; t < spec.tokens; ++t) {
+          for (int64_t g = 0; g < kGroups; ++g) {
+            const size_t at = size_t(column_major ? g * spec.tokens + t : t * kGroups + g);
+            const float scale = result.scales[r][at];
+            EXPECT_EQ(impl::float_bits(scale) & 0x007fffffu, 0u)
+                << describe(spec) << " rank " << r << ": scale " << scale << " of token " << t
+                << " group " << g << " is not a power of two";
+            EXPECT_EQ(impl::float_bits(scale), impl::float_bits(expected_scale[g]))
+                << describe(spec) << " rank " << r << ": scale of token " << t << " group " << g
+                << " is " << scale << ", built to be " << expected_scale[g]
+                << " (norm_out[t, 0] = " << result.norm_out[r].get(size_t(t * spec.hidden))
+                << ", gamma[0] = " << data.gamma.get(0) << ")";
+          }
+        }
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
   }
 }
 
@@ -929,8 +1027,12 @@ inline void check_moe_finalize(Harness& harness, uint64_t seed, int cases) {
   OneShotRunner runner(harness);
   const int topks[] = {1, 2, 3, 6, 8, kMaxMoeTopK};
   const int64_t widths[] = {8, 136, 384, 1152, 3072};
-  const QuantMode modes[] = {QuantMode::kNone, QuantMode::kNone, QuantMode::kStatic,
-                             QuantMode::kPerToken, QuantMode::kPerTokenGroup128};
+  const QuantMode modes[] = {QuantMode::kNone,
+                             QuantMode::kNone,
+                             QuantMode::kStatic,
+                             QuantMode::kPerToken,
+                             QuantMode::kPerTokenGroup128,
+                             QuantMode::kPerTokenGroup128Ue8m0};
   for (int c = 0; c < cases; ++c) {
     CaseSpec spec;
     spec.dtype = kDTypes[rng() % kDTypes.size()];

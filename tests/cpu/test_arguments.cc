@@ -58,16 +58,20 @@ class Arguments : public ::testing::Test {
   }
   // Runs `call` on rank 0 while rank 1 makes a good call; returns rank 1's error ("" if none).
   std::string against_good_peer(const std::function<void()>& call) {
+    return against_peer(peer_args_, call);
+  }
+  // Runs `call` on rank 0 while rank 1 calls with `peer`; returns rank 1's error ("" if none).
+  std::string against_peer(const AddRmsNormArgs& peer, const std::function<void()>& call) {
     std::string peer_error;
-    std::thread peer([&] {
+    std::thread peer_thread([&] {
       try {
-        allreduce_add_rmsnorm(team_[1], peer_args_);
+        allreduce_add_rmsnorm(team_[1], peer);
       } catch (const Error& error) {
         peer_error = error.what();
       }
     });
     call();
-    peer.join();
+    peer_thread.join();
     return peer_error;
   }
   // Both ranks make a good call: the team went on.
@@ -183,6 +187,14 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
                   "quant_scale is given but quant is fp8 per token");
   expect_rejected(with(QuantMode::kPerTokenGroup128),
                   "hidden must be a multiple of 128 for quant fp8 per token group of 128, got 64");
+  expect_rejected(with(QuantMode::kPerTokenGroup128Ue8m0),
+                  "hidden must be a multiple of 128 for quant fp8 per token group of 128 with "
+                  "power-of-two scales, got 64");
+  expect_rejected(
+      then(with(QuantMode::kPerTokenGroup128Ue8m0), [](auto& a) { a.scales_out = nullptr; }),
+      "scales_out is null: quant fp8 per token group of 128 with power-of-two scales writes its "
+      "scales there");
+  expect_rejected([](auto& a) { a.quant = QuantMode(5); }, "quant 5 is not a QuantMode");
   expect_rejected(
       then(with(QuantMode::kPerToken), [this](auto& a) { a.quant_out = buffers_.norm_out; }),
       "quant_out overlaps norm_out");
@@ -217,6 +229,35 @@ TEST_F(Arguments, Fp8OutputArgumentsAreChecked) {
                       "in quant: fp8 per token here, none on rank 1");
   peer.join();
   EXPECT_NE(peer_error.find("in quant: none here, fp8 per token on rank 0"), std::string::npos)
+      << peer_error;
+}
+
+// Ranks whose FP8 outputs differ only in the group scale's rule: both are told, the two modes
+// named (the signature's quant field, decoded by its table).
+TEST_F(Arguments, RanksWhoseGroupScalesDifferInRuleAreTold) {
+  struct Fp8Buffers {
+    alignas(16) uint8_t quant[128];
+    float scales[1];
+  };
+  Fp8Buffers mine, theirs;
+  const auto group_call = [](AddRmsNormArgs args, QuantMode mode, Fp8Buffers& out) {
+    args.tokens = 1;
+    args.hidden = 128;
+    args.quant = mode;
+    args.quant_out = out.quant;
+    args.scales_out = out.scales;
+    return args;
+  };
+  const AddRmsNormArgs args = group_call(args_, QuantMode::kPerTokenGroup128, mine);
+  const AddRmsNormArgs peer = group_call(peer_args_, QuantMode::kPerTokenGroup128Ue8m0, theirs);
+  const std::string peer_error = against_peer(peer, [&] {
+    expect_error_naming([&] { allreduce_add_rmsnorm(team_[0], args); },
+                        "in quant: fp8 per token group of 128 here, fp8 per token group of 128 "
+                        "with power-of-two scales on rank 1");
+  });
+  EXPECT_NE(peer_error.find("in quant: fp8 per token group of 128 with power-of-two scales here, "
+                            "fp8 per token group of 128 on rank 0"),
+            std::string::npos)
       << peer_error;
 }
 

@@ -46,6 +46,10 @@ TEST_P(CpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
   check_fp8_outputs(harness_, seed(3700), 9);
 }
 
+TEST_P(CpuAlgorithms, Fp8PowerOfTwoScalesAtTheirEdges) {
+  check_fp8_power_of_two_scales(harness_, seed(3750));
+}
+
 TEST_P(CpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
   check_moe_finalize(harness_, seed(3800), 6);
 }

@@ -105,6 +105,17 @@ RowOutputs expected_rows(const RowCase& c, const std::vector<std::vector<uint8_t
           const auto q = impl::quantize_vector<T>(normalized[size_t(v)], impl::fp8_divisor(s));
           std::memcpy(out.quant_out.data() + token * c.hidden + v * kElements, q.bytes, kElements);
         };
+        // The scale of a token or group from its amax: the call's Output policy's step.
+        const auto scale_of = [&](float amax) {
+          float s = 0.0f;
+          impl::dispatch_output(c.quant, [&](auto output) {
+            if constexpr (decltype(output)::kScope == impl::OutputScope::kToken ||
+                          decltype(output)::kScope == impl::OutputScope::kGroup) {
+              s = decltype(output)::scale(impl::dynamic_scale(amax));
+            }
+          });
+          return s;
+        };
         if (c.quant == QuantMode::kStatic) {
           for (int64_t v = 0; v < vectors; ++v) store(v, static_scale);
         } else if (c.quant == QuantMode::kPerToken) {
@@ -112,7 +123,7 @@ RowOutputs expected_rows(const RowCase& c, const std::vector<std::vector<uint8_t
           for (int64_t v = 0; v < vectors; ++v) {
             amax = fmaxf(amax, impl::vector_amax<T>(normalized[size_t(v)]));
           }
-          const float s = impl::dynamic_scale(amax);
+          const float s = scale_of(amax);
           out.scales[size_t(token)] = s;
           for (int64_t v = 0; v < vectors; ++v) store(v, s);
         } else {
@@ -122,7 +133,7 @@ RowOutputs expected_rows(const RowCase& c, const std::vector<std::vector<uint8_t
             for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) {
               amax = fmaxf(amax, impl::vector_amax<T>(normalized[size_t(v)]));
             }
-            const float s = impl::dynamic_scale(amax);
+            const float s = scale_of(amax);
             out.scales[size_t(c.column_major ? g * c.tokens + token : token * groups + g)] = s;
             for (int64_t v = g * per_group; v < (g + 1) * per_group; ++v) store(v, s);
           }
@@ -310,6 +321,8 @@ std::vector<RowCase> cases() {
         if (hidden % kQuantGroupSize == 0) {
           all.push_back({dtype, tokens, hidden, true, true, NormWeight::kGamma,
                          QuantMode::kPerTokenGroup128, tokens == 3});
+          all.push_back({dtype, tokens, hidden, tokens % 2 == 0, true, NormWeight::kGamma,
+                         QuantMode::kPerTokenGroup128Ue8m0, tokens == 9});
         }
       }
     }

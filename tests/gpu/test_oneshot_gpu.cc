@@ -115,6 +115,12 @@ TEST_P(GpuAlgorithms, Fp8OutputsMatchTheirDefinition) {
   check_fp8_outputs(harness, 68 + int(GetParam()), 30);
 }
 
+TEST_P(GpuAlgorithms, Fp8PowerOfTwoScalesAtTheirEdges) {
+  CudaHarness harness(gpus());
+  harness.algorithm = GetParam();
+  check_fp8_power_of_two_scales(harness, 70 + int(GetParam()));
+}
+
 TEST_P(GpuAlgorithms, MoeFinalizeMatchesItsDefinition) {
   CudaHarness harness(gpus());
   harness.algorithm = GetParam();
@@ -362,6 +368,13 @@ TEST(GpuOneRankTeam, Fp8OutputsMatchTheirDefinition) {
   if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
   CudaHarness harness(1);
   check_fp8_outputs(harness, 6300, 30);
+}
+
+// The local kernel's power-of-two group scales at their edges.
+TEST(GpuOneRankTeam, Fp8PowerOfTwoScalesAtTheirEdges) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  CudaHarness harness(1);
+  check_fp8_power_of_two_scales(harness, 6330);
 }
 
 // The local kernel's MoE combine (a one-rank team runs it).

@@ -107,6 +107,13 @@ TEST_P(SharedDevice, Fp8OutputsMatchTheirDefinition) {
   }
 }
 
+TEST_P(SharedDevice, Fp8PowerOfTwoScalesAtTheirEdges) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_fp8_power_of_two_scales(*harness_, seed(972) + uint64_t(algorithm));
+  }
+}
+
 // The MoE finalize, each fused algorithm forced: the kernels' combine gives the host's bits.
 TEST_P(SharedDevice, MoeFinalizeMatchesItsDefinition) {
   for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {

@@ -241,6 +241,11 @@ def torch_fp8(norm, quant, scale=None):
     else:
         groups = x.reshape(x.shape[0], -1, 128)
         scales = groups.abs().amax(-1).clamp(min=1e-10) / 448.0
+        if quant == tpfuse.Quant.PER_TOKEN_GROUP_128_UE8M0:
+            # Rounded up to a power of two on the bits, as DeepGEMM's reference casts do.
+            bits = scales.view(torch.int32)
+            exponent = ((bits >> 23) & 0xFF) + (bits & 0x7FFFFF).bool().int()
+            scales = (exponent << 23).view(torch.float32)
         q = (groups / scales[..., None]).reshape(x.shape)
     return q.clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scales
 
@@ -376,9 +381,13 @@ class Fp8Outputs(unittest.TestCase):
             (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x[:, :192], x[:, :192],
                                                       weight[:192], 1e-6, 3),
              "hidden must be a multiple of 128"),
+            (lambda: tpfuse.allreduce_add_rmsnorm_fp8(team, x[:, :192], x[:, :192],
+                                                      weight[:192], 1e-6,
+                                                      "per_token_group_128_ue8m0"),
+             "hidden must be a multiple of 128"),
             (lambda: torch.ops.tpfuse.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, 7),
-             "quant must be 1 \\(static\\), 2 \\(per_token\\) or 3 "
-             "\\(per_token_group_128\\), got 7"),
+             "quant must be 1 \\(static\\), 2 \\(per_token\\), 3 "
+             "\\(per_token_group_128\\) or 4 \\(per_token_group_128_ue8m0\\), got 7"),
         ]
         for call, message in cases:
             with self.assertRaisesRegex(RuntimeError, message):
@@ -751,7 +760,7 @@ class EnumArguments(unittest.TestCase):
             "norm_weight": ((-1, 2, 2**32),
                             lambda v: ops.allreduce_add_rmsnorm(team.handle, x, None, weight, 1e-6,
                                                                 0, v)),
-            "quant": ((-1, 0, 4, 2**32 + 2),
+            "quant": ((-1, 0, 5, 2**32 + 2),
                       lambda v: ops.allreduce_add_rmsnorm_fp8(team.handle, x, x, weight, 1e-6, v)),
             "rope_style": ((-1, 3, 2**32 + 1),
                            lambda v: ops.allreduce_qk_rmsnorm(

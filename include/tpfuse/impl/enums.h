@@ -4,10 +4,12 @@
 // enumerator goes into both; a static_assert below says when the two disagree.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 
+#include "tpfuse/impl/epilogue/outputs.h"
 #include "tpfuse/tpfuse.h"
 
 namespace tpfuse::impl {
@@ -42,15 +44,9 @@ constexpr bool is_known(NormWeight weight) {
   return false;
 }
 
+// The listed outputs' modes (epilogue/outputs.h).
 constexpr bool is_known(QuantMode mode) {
-  switch (mode) {
-    case QuantMode::kNone:
-    case QuantMode::kStatic:
-    case QuantMode::kPerToken:
-    case QuantMode::kPerTokenGroup128:
-      return true;
-  }
-  return false;
+  return find_output(mode) != nullptr;
 }
 
 constexpr bool is_known(RopeStyle style) {
@@ -98,14 +94,17 @@ struct Enumerators<NormWeight> {
                                                      {NormWeight::kOnePlusGamma, "one_plus_gamma"}};
 };
 
+// Made from the list of outputs (epilogue/outputs.h): a new output is named there.
+template <typename... Outputs>
+constexpr std::array<Enumerator<QuantMode>, sizeof...(Outputs)> output_enumerators(
+    OutputList<Outputs...>) {
+  return {Enumerator<QuantMode>{Outputs::kMode, Outputs::kName}...};
+}
+
 template <>
 struct Enumerators<QuantMode> {
   static constexpr const char* kName = "QuantMode";
-  static constexpr Enumerator<QuantMode> kList[] = {
-      {QuantMode::kNone, "none"},
-      {QuantMode::kStatic, "static"},
-      {QuantMode::kPerToken, "per_token"},
-      {QuantMode::kPerTokenGroup128, "per_token_group_128"}};
+  static constexpr auto kList = output_enumerators(RowOutputs{});
 };
 
 template <>

@@ -17,6 +17,8 @@
 #include <cmath>
 
 #include "tpfuse/impl/config.h"
+#include "tpfuse/impl/epilogue/contributions.h"
+#include "tpfuse/impl/epilogue/outputs.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/numeric.h"
 #include "tpfuse/limits.h"
@@ -84,150 +86,12 @@ TPF_HOST_DEVICE Vec16 normalize(const float (&x)[Packed<T>::kElements], const Ve
   return pack<T>(out);
 }
 
-// FP8 output of the norm (QuantMode in tpfuse.h): per 16-byte vector of the norm output as
-// stored, its largest magnitude, and its E4M3 bytes at a scale. The dynamic scales come from the
-// largest magnitude of a token or a group; max is exact in any order (fmaxf: a NaN lane does not
-// win), so the scale does not depend on how a backend reduces.
-template <typename T>
-TPF_HOST_DEVICE float vector_amax(const Vec16& normalized) {
-  float lanes[Packed<T>::kElements];
-  unpack<T>(normalized, lanes);
-  float amax = 0.0f;
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) amax = fmaxf(amax, fabsf(lanes[i]));
-  return amax;
-}
-
-TPF_HOST_DEVICE float dynamic_scale(float amax) {
-  return fmaxf(amax, kQuantMinAmax) / kFp8E4M3Max;
-}
-
-// Division by one FP8 scale (a call's, a token's or a group's), with IEEE division's E4M3 bytes
-// on the host and the device. The host divides. The device multiplies by the correctly rounded
-// reciprocal and corrects once with the exact remainder (Markstein): the IEEE quotient wherever
-// it can decide a byte (E4M3 rounds below 2^-10 to zero and saturates from 464; the quotient is
-// IEEE's for every pair of significands and for every x whose quotient lies within 2^+-20),
-// without a branch per element, so a vector's quotients issue together instead of one IEEE
-// division after another (tests/gpu/test_numeric_gpu.cu checks all of this exhaustively). A
-// scale that is not positive or lies outside [2^-60, 2^60] divides element by element.
-struct Fp8Divisor {
-  float scale;
-  float reciprocal;    // RN(1 / scale): the device's
-  bool by_reciprocal;  // scale within [2^-60, 2^60]
-};
-
-TPF_HOST_DEVICE Fp8Divisor fp8_divisor(float scale) {
-#if TPF_ON_DEVICE
-  return {scale, __frcp_rn(scale), scale >= 0x1p-60f && scale <= 0x1p60f};
-#else
-  return {scale, 0.0f, false};
-#endif
-}
-
-#if defined(__CUDACC__)
-// x / d.scale by the reciprocal (d.by_reciprocal). The remainder is taken negated, q * scale - x,
-// so that the correction subtracting it keeps a zero quotient's sign (a positive scale). Finite q
-// and x give a finite remainder; an infinite q (x is, or the quotient overflows) a NaN
-// correction, where q stands (a NaN x gives NaN either way).
-__device__ __forceinline__ float quotient_by_reciprocal(float x, const Fp8Divisor& d) {
-  const float q = __fmul_rn(x, d.reciprocal);
-  const float negated_remainder = __fmaf_rn(q, d.scale, -x);
-  const float corrected = __fmaf_rn(-negated_remainder, d.reciprocal, q);
-  return corrected != corrected ? q : corrected;
-}
-#endif
-
-// The E4M3 bytes of one vector's elements divided by the scale, packed little-endian: 8 bytes
-// for 16-bit T, 4 for fp32.
-template <typename T>
-struct QuantBytes {
-  uint8_t bytes[Packed<T>::kElements];
-};
-
-template <typename T>
-TPF_HOST_DEVICE QuantBytes<T> quantize_vector(const Vec16& normalized, const Fp8Divisor& divisor) {
-  constexpr int kElements = Packed<T>::kElements;
-  float lanes[kElements];
-  unpack<T>(normalized, lanes);
-  QuantBytes<T> out;
-#if TPF_ON_DEVICE
-  const auto convert = [&](auto quotient) {
-    TPF_UNROLL
-    for (int i = 0; i < kElements; i += 4) {
-      const uint32_t word = fp8_e4m3x4_from_floats(quotient(lanes[i]), quotient(lanes[i + 1]),
-                                                   quotient(lanes[i + 2]), quotient(lanes[i + 3]));
-      memcpy(out.bytes + i, &word, 4);
-    }
-  };
-  if (divisor.by_reciprocal) {
-    convert([&](float x) { return quotient_by_reciprocal(x, divisor); });
-  } else {
-    convert([&](float x) { return __fdiv_rn(x, divisor.scale); });
-  }
-#else
-  TPF_UNROLL
-  for (int i = 0; i < kElements; ++i) {
-    out.bytes[i] = fp8_e4m3_from_float(lanes[i] / divisor.scale).bits;
-  }
-#endif
-  return out;
-}
-
-// MoE finalize (AddRmsNormArgs::moe_*): a rank's contribution to the sum is its top-k expert
-// rows combined, sum_j w_j * x_j in fp32 in j order, plus a shared expert's row, rounded once.
-// On the GPU each product and each add is rounded on its own (no fused multiply-add), as on the
-// host, so the combine has the same bits on both.
-TPF_HOST_DEVICE float moe_product(float w, float x) {
-#if TPF_ON_DEVICE
-  return __fmul_rn(w, x);
-#else
-  return w * x;
-#endif
-}
-
-TPF_HOST_DEVICE float moe_add(float a, float b) {
-#if TPF_ON_DEVICE
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-// acc (+)= w * row, per lane: the first expert's product starts the sum.
-template <typename T>
-TPF_HOST_DEVICE void moe_accumulate(float (&acc)[Packed<T>::kElements], const Vec16& row, float w,
-                                    bool first) {
-  float lanes[Packed<T>::kElements];
-  unpack<T>(row, lanes);
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) {
-    const float product = moe_product(w, lanes[i]);
-    acc[i] = first ? product : moe_add(acc[i], product);
-  }
-}
-
-// acc += the shared expert's row, per lane.
-template <typename T>
-TPF_HOST_DEVICE void moe_add_shared(float (&acc)[Packed<T>::kElements], const Vec16& shared) {
-  float lanes[Packed<T>::kElements];
-  unpack<T>(shared, lanes);
-  TPF_UNROLL
-  for (int i = 0; i < Packed<T>::kElements; ++i) acc[i] = moe_add(acc[i], lanes[i]);
-}
-
-// Routing weight `index` of [tokens, topk]: fp32, or T (in_dtype).
-template <typename T>
-TPF_HOST_DEVICE float moe_weight(const void* weights, bool in_dtype, int64_t index) {
-  return in_dtype ? to_float(static_cast<const T*>(weights)[index])
-                  : static_cast<const float*>(weights)[index];
-}
-
 // What a row epilogue does, as values: the key a call's arguments give and the traits match.
 struct RowEpilogueKind {
   bool residual;       // the sum plus a residual (else the sum alone)
   bool norm;           // an RMSNorm of that (else the rounded sum is the output)
   NormWeight weight;   // the norm's weight
-  bool quant = false;  // an FP8 output of the norm too (its mode is the call's: RowCall::quant)
+  bool quant = false;  // an FP8 output of the norm too (its policy is the call's: RowCall::quant)
   bool moe = false;    // a rank's contribution is its MoE combine (RowCall::moe_*), not input
   constexpr bool operator==(const RowEpilogueKind& other) const {
     return residual == other.residual && norm == other.norm && weight == other.weight &&
@@ -239,10 +103,10 @@ struct RowEpilogueKind {
 //   round_sum:  (+ residual), one rounding to T (residual_out, or out without a norm); `acc`
 //               becomes the rounded values and their squares are added to sum_squares;
 //   normalize:  the norm of the rounded values with the row's scale (kHasNorm only).
-//   quantize:   (kHasQuant) the FP8 bytes of the normalized vector (quantize_vector), at the
-//               call's static scale or the token's / group's dynamic one.
-// kMoe: what a rank contributes is its MoE combine (moe_accumulate, moe_add_shared, rounded
-// once to T), read where other epilogues read input.
+//   quantize:   (kHasQuant) the FP8 output of the normalized vectors: the Output policy of the
+//               call's mode (epilogue/outputs.h), picked at run time (RowCall::quant).
+// kMoe: what a rank contributes is its MoE combine (the MoeContribution policy's steps,
+// epilogue/contribution_moe.h, rounded once to T), read where other epilogues read input.
 template <bool kResidual, bool kNorm, NormWeight kWeight = NormWeight::kGamma, bool kQuant = false,
           bool kMoe = false>
 struct RowEpilogue {
@@ -252,6 +116,7 @@ struct RowEpilogue {
   static constexpr bool kHasNorm = kNorm;
   static constexpr bool kHasQuant = kQuant;
   static constexpr bool kHasMoe = kMoe;
+  using Contribution = ContributionOf<kMoe>;
   static constexpr RowEpilogueKind kKind{kResidual, kNorm, kWeight, kQuant, kMoe};
   // How a row that arrives already rounded (the two-shot all-gather) is finished.
   using Gathered = RowEpilogue<false, kNorm, kWeight, kQuant>;
