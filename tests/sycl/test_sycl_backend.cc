@@ -135,6 +135,15 @@ TEST_F(SyclProperties, Fp8OutputsMatchTheirDefinition) {
   }
 }
 
+// The power-of-two (UE8M0) group scales at their edges (check_fp8_power_of_two_scales), one-shot
+// and two-shot.
+TEST_F(SyclProperties, Fp8PowerOfTwoScalesAtTheirEdges) {
+  for (const Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    harness_->algorithm = algorithm;
+    check_fp8_power_of_two_scales(*harness_, 1560 + uint64_t(algorithm));
+  }
+}
+
 // The MoE finalize (check_moe_finalize: against the float64 reference of the contributions,
 // the same bits as the call given them as input, with and without FP8), one-shot and two-shot.
 TEST_F(SyclProperties, MoeFinalizeMatchesItsDefinition) {

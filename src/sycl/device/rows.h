@@ -275,17 +275,19 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
     };
     float quant_scale = 0.0f;
     const QuantMode mode = QuantMode(p.quant);
+    // The Output policy's scope picks the path, and its scale step the scale (impl/epilogue/).
+    const OutputScope scope = output_scope_of(mode);
     if constexpr (Epilogue::kHasQuant) {
       constexpr int64_t kGroupVectors = kQuantGroupSize / kElements;
       const int64_t groups = p.hidden / kQuantGroupSize;
       float token_scale = 0.0f;
       if (first == 0) {
-        if (mode == QuantMode::kStatic) {
+        if (scope == OutputScope::kCall) {
           token_scale = *p.quant_scale;
-        } else if (mode == QuantMode::kPerToken) {
+        } else if (scope == OutputScope::kToken) {
           float amax = 0.0f;
           for (int64_t v = 0; v < vectors; ++v) amax = fmaxf(amax, vector_amax<T>(normalized(v)));
-          token_scale = dynamic_scale(amax);
+          token_scale = output_scale<OutputScope::kToken>(mode, dynamic_scale(amax));
           p.scales_out[token] = token_scale;
         } else {
           for (int64_t g = 0; g < groups; ++g) {
@@ -294,7 +296,7 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
               amax = fmaxf(amax, vector_amax<T>(normalized(v)));
             }
             p.scales_out[p.scales_column_major ? g * p.tokens + token : token * groups + g] =
-                dynamic_scale(amax);
+                output_scale<OutputScope::kGroup>(mode, dynamic_scale(amax));
           }
         }
       }
@@ -311,7 +313,7 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
         const int64_t groups = p.hidden / kQuantGroupSize;
         const int64_t group_index = v * kElements / kQuantGroupSize;
         const float divisor_scale =
-            mode != QuantMode::kPerTokenGroup128
+            scope != OutputScope::kGroup
                 ? quant_scale
                 : p.scales_out[p.scales_column_major ? group_index * p.tokens + token
                                                      : token * groups + group_index];
