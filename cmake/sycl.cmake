@@ -87,7 +87,9 @@ if(TPFUSE_HAVE_SYCL)
   # the SYCL tests link: tpfuse with the runtime and src/ on the include path.
   target_sources(tpfuse PRIVATE src/sycl/backend.cc src/sycl/compiler.cc src/sycl/team.cc)
   tpfuse_embed_texts(tpfuse library_headers ${tpfuse_sycl_embedded})
-  target_link_libraries(tpfuse PUBLIC $<BUILD_INTERFACE:SyclRuntime::sycl>)
+  # Installed, the package's config file makes tpfuse::sycl from the runtime found again.
+  target_link_libraries(tpfuse PUBLIC $<BUILD_INTERFACE:SyclRuntime::sycl>
+                                      $<INSTALL_INTERFACE:tpfuse::sycl>)
   add_library(tpfuse_sycl INTERFACE)
   target_include_directories(tpfuse_sycl INTERFACE $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/src>)
   target_link_libraries(tpfuse_sycl INTERFACE tpfuse SyclRuntime::sycl)
