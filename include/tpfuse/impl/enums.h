@@ -46,7 +46,7 @@ constexpr bool is_known(NormWeight weight) {
 
 // The listed outputs' modes (epilogue/outputs.h).
 constexpr bool is_known(QuantMode mode) {
-  return find_output(mode) != nullptr;
+  return lists_output(mode);
 }
 
 constexpr bool is_known(RopeStyle style) {

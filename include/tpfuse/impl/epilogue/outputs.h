@@ -66,9 +66,21 @@ constexpr const OutputInfo* find_output(QuantMode mode) {
   return nullptr;
 }
 
+// Whether `mode` is listed. (Not find_output(mode) != nullptr: under -fsanitize=undefined, g++ 12
+// does not take a pointer into a static member array compared with null as a constant
+// expression, and these serve static_asserts.)
+constexpr bool lists_output(QuantMode mode) {
+  for (const OutputInfo& info : RowOutputs::kInfos) {
+    if (info.mode == mode) return true;
+  }
+  return false;
+}
+
 constexpr OutputScope output_scope(QuantMode mode) {
-  const OutputInfo* info = find_output(mode);
-  return info != nullptr ? info->scope : OutputScope::kNone;
+  for (const OutputInfo& info : RowOutputs::kInfos) {
+    if (info.mode == mode) return info.scope;
+  }
+  return OutputScope::kNone;
 }
 
 // The fp32 scales a call of `mode` writes to scales_out.
