@@ -22,9 +22,9 @@
 // naming it; either fails the team on every rank: the rank that saw it announces it (a mark in
 // every peer's workspace), so every later call of every rank is refused before it writes
 // anything (a late peer never meets a call its peers gave up on) and every Team::check throws.
-// A failed team stays failed: create a new one. On the CPU backend every output of a call that
-// failed once begun is NaN; on the GPU a wait that ends without data gives NaN, and Team::check
-// tells the failure (a disagreeing peer's data may have reached some blocks' outputs).
+// A failed team stays failed: create a new one. Every output of a call that failed once begun
+// is NaN, every element (on the GPU, a call whose kernel meets a peer's failure mark at its
+// start writes nothing; Team::check tells the failure).
 //
 // Threads: a call blocks its thread on the CPU backend until every rank has made it, so an
 // in-process CPU team needs one thread per rank (CUDA calls only queue work).

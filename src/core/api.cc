@@ -163,30 +163,6 @@ RowEpilogueKind row_epilogue_of(const AddRmsNormArgs& args) {
           args.moe_expert_rows != nullptr};
 }
 
-CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
-  const uint64_t row_bytes = uint64_t(call.hidden) * dtype_size(dtype);
-  CallOutputs out{};
-  out.rows[out.count++] = {call.residual_out, call.tokens, row_bytes, row_bytes, kNanWord};
-  out.rows[out.count++] = {call.norm_out, call.tokens, row_bytes, row_bytes, kNanWord};
-  if (epilogue.quant) {
-    const uint64_t fp8_bytes = uint64_t(call.hidden);
-    out.rows[out.count++] = {call.quant_out, call.tokens, fp8_bytes, fp8_bytes, kFp8NanWord};
-    const int64_t scales = output_scale_count(call.quant, call.tokens, call.hidden);
-    out.rows[out.count++] = {call.scales_out, 1, uint64_t(scales) * 4, 0, kFloatNanWord};
-  }
-  return out;
-}
-
-CallOutputs outputs_of(const QkCall& call, DType dtype) {
-  const uint64_t element = dtype_size(dtype);
-  CallOutputs out{};
-  out.rows[out.count++] = {call.q_out, call.tokens, uint64_t(call.q_size) * element,
-                           uint64_t(call.q_out_stride) * element, kNanWord};
-  out.rows[out.count++] = {call.k_out, call.tokens, uint64_t(call.kv_size) * element,
-                           uint64_t(call.k_out_stride) * element, kNanWord};
-  return out;
-}
-
 QkCall make_qk_call(const TeamState* team, const QkNormArgs& args) {
   QkCall call{};
   if (team != nullptr) call.exchange = team->exchange;

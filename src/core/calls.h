@@ -102,8 +102,35 @@ struct CallOutputs {
 constexpr uint32_t kNanWord = 0x7fc07fc0u;     // fp32 0x7fc07fc0; bf16 and fp16 0x7fc0 twice
 constexpr uint32_t kFp8NanWord = 0x7f7f7f7fu;  // E4M3's NaN in every byte
 constexpr uint32_t kFloatNanWord = 0x7fc00000u;
-CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue);
-CallOutputs outputs_of(const QkCall& call, DType dtype);
+// The same lists from a kernel, which knows its element size and whether it quantizes
+// (outputs_of below on the host).
+TPF_HOST_DEVICE CallOutputs row_outputs(const RowCall& call, uint64_t element_bytes, bool quant) {
+  const uint64_t row_bytes = uint64_t(call.hidden) * element_bytes;
+  CallOutputs out{};
+  out.rows[out.count++] = {call.residual_out, call.tokens, row_bytes, row_bytes, kNanWord};
+  out.rows[out.count++] = {call.norm_out, call.tokens, row_bytes, row_bytes, kNanWord};
+  if (quant) {
+    const uint64_t fp8_bytes = uint64_t(call.hidden);
+    out.rows[out.count++] = {call.quant_out, call.tokens, fp8_bytes, fp8_bytes, kFp8NanWord};
+    const int64_t scales = output_scale_count(call.quant, call.tokens, call.hidden);
+    out.rows[out.count++] = {call.scales_out, 1, uint64_t(scales) * 4, 0, kFloatNanWord};
+  }
+  return out;
+}
+TPF_HOST_DEVICE CallOutputs qk_outputs(const QkCall& call, uint64_t element_bytes) {
+  CallOutputs out{};
+  out.rows[out.count++] = {call.q_out, call.tokens, uint64_t(call.q_size) * element_bytes,
+                           uint64_t(call.q_out_stride) * element_bytes, kNanWord};
+  out.rows[out.count++] = {call.k_out, call.tokens, uint64_t(call.kv_size) * element_bytes,
+                           uint64_t(call.k_out_stride) * element_bytes, kNanWord};
+  return out;
+}
+inline CallOutputs outputs_of(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue) {
+  return row_outputs(call, dtype_size(dtype), epilogue.quant);
+}
+inline CallOutputs outputs_of(const QkCall& call, DType dtype) {
+  return qk_outputs(call, dtype_size(dtype));
+}
 
 // `team` null: the local form (no exchange; counts_k = 1).
 RowCall make_row_call(const TeamState* team, const AddRmsNormArgs& args);

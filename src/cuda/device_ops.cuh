@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/calls.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/impl/session.h"
 
@@ -275,6 +276,14 @@ __device__ __forceinline__ bool failure_recorded(const Exchange& x) {
   return *reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0;
 }
 
+// Whether a wait of this block ended without data, or a peer's header differed from this call's:
+// the block then ends the call with end_call's NaN fill. One shared word at a fixed address
+// (setting it costs the polls no register), cleared by thread 0 where it reads the call state.
+__device__ __forceinline__ uint32_t& block_lost_data() {
+  __shared__ uint32_t lost;
+  return lost;
+}
+
 // The wait for a packet vector in the fused kernels' receive loops: spins until every word holds
 // data. In its slow path (every GridClock::kCheckEvery polls) it reads the hash word of the
 // sender's call header: one that is in and differs from this call's (a sender that rejected its
@@ -301,14 +310,18 @@ __device__ __forceinline__ Vec16 wait_for_packet(const Vec16* address, const Ses
     if (spins % GridClock::kCheckEvery == 0) {
       const uint32_t hash =
           reinterpret_cast<const volatile uint32_t*>(session.received_header(x, sender))[3];
-      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
-      if (*reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) return nan_vector();
+      if ((hash != kSentinel && hash != mine.hash()) ||
+          *reinterpret_cast<volatile uint32_t*>(&x.control->error) != 0) {
+        block_lost_data() = 1;
+        return nan_vector();
+      }
       if (x.timeout_ns != 0) {
         const uint64_t now = global_timer_ns();
         if (deadline == 0) {
           deadline = now + x.timeout_ns;
         } else if (now > deadline) {
           record_timeout(x, sender);
+          block_lost_data() = 1;
           return nan_vector();
         }
       }
@@ -378,7 +391,72 @@ __device__ __forceinline__ void check_header(const Session& session, const Excha
       x.timeout_ns, [&] { return load_packet(address); }, [&] { return failure_recorded(x); },
       [&](const Vec16& last) { record_failure(x, CallError::kTimeout, sender, mine.header, last); },
       header);
-  if (arrived) header_differs(x, mine, header, sender);
+  if (!arrived || header_differs(x, mine, header, sender)) block_lost_data() = 1;
+}
+
+// A gpu-scope release add (no value back: the thread does not wait for it) and acquire load.
+__device__ __forceinline__ void add_release(uint32_t* word, uint32_t value) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(word), "r"(value) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* word) {
+  uint32_t value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(word) : "memory");
+  return value;
+}
+
+// NaN into every output of `outputs` (core/calls.h), spread over `threads` threads of which this
+// is `thread`: each row's words one thread a word, the bytes past a row's last word one by one.
+// No division: a 64-bit one is a called routine (see LamportSession::clear_previous).
+__device__ __forceinline__ void fill_with_nan(const CallOutputs& outputs, uint32_t thread,
+                                              uint32_t threads) {
+#pragma unroll
+  for (int i = 0; i < CallOutputs::kMost; ++i) {
+    if (i >= outputs.count) break;
+    const OutputRows& o = outputs.rows[i];
+    if (o.base == nullptr) continue;
+    const uint64_t words = o.row_bytes / 4;
+    const uint64_t tail = o.row_bytes % 4;
+    for (int64_t row = 0; row < o.rows; ++row) {
+      char* const base = static_cast<char*>(o.base) + uint64_t(row) * o.stride_bytes;
+      for (uint64_t w = thread; w < words; w += threads) {
+        reinterpret_cast<uint32_t*>(base)[w] = o.word;
+      }
+      if (thread < tail) base[words * 4 + thread] = char(o.word >> (8 * thread));
+    }
+  }
+}
+
+// The fused kernels' last step: every output of a call that failed once begun is NaN, on every
+// rank, as on the CPU backend. Without it a peer's data could remain in some blocks' outputs: a
+// disagreement that keeps the packets' layout (found only by block 0's header check at the end),
+// or a timeout in one block while the others had their data. Each block counts itself out of the
+// call once its outputs are written (ControlBlock::finished of the call's slot: one release
+// reduction by thread 0, which does not wait for it); a block that lost data (block_lost_data)
+// then waits until every block of the grid has counted out (all are resident, and every wait of
+// theirs ends: on its data, the team's failure or a peer's header, or the timeout), and fills
+// every output (`outputs()`, a CallOutputs) with NaN. Its wait is bounded by the team's timeout;
+// past it, it fills anyway.
+template <typename Session, typename Outputs>
+__device__ __forceinline__ void end_call(const Session& session, const Exchange& x,
+                                         Outputs&& outputs) {
+  if (Session::world(x) == 1) return;  // a team of one has no peer to lose data to
+  __syncthreads();                     // the block's outputs written, and block_lost_data final
+  uint32_t* const finished = &x.control->finished[session.slot()];
+  if (threadIdx.x == 0) add_release(finished, 1u);
+  if (block_lost_data() == 0) return;
+  if (threadIdx.x == 0) {
+    Vec16 ignored;
+    bounded_wait<GridClock>(
+        x.timeout_ns,
+        [&] {
+          Vec16 v{};
+          if (load_acquire(finished) < gridDim.x) v.word[0] = kSentinel;
+          return v;
+        },
+        [] { return false; }, [](const Vec16&) {}, ignored);
+  }
+  __syncthreads();
+  fill_with_nan(outputs(), threadIdx.x, blockDim.x);
 }
 
 // Stores this rank's call header into every peer (threads 0..W-1 of block 0).

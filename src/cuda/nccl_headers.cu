@@ -91,25 +91,7 @@ __global__ void __launch_bounds__(kCheckThreads)
   }
 
   // NaN into every output (outputs_of, core/calls.h), spread over the grid.
-  const uint64_t thread = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const uint64_t threads = uint64_t(gridDim.x) * blockDim.x;
-  for (int i = 0; i < outputs.count; ++i) {
-    const OutputRows& o = outputs.rows[i];
-    if (o.base == nullptr) continue;
-    const uint64_t words = o.row_bytes / 4;
-    for (uint64_t index = thread; index < uint64_t(o.rows) * o.row_bytes; index += threads) {
-      const uint64_t row = index / o.row_bytes;
-      const uint64_t byte = index % o.row_bytes;
-      char* row_base = static_cast<char*>(o.base) + row * o.stride_bytes;
-      // One thread a byte: a failed call's fill need not be fast. Whole words where they fit
-      // (their first byte's thread), the bytes past the last word one by one.
-      if (byte / 4 < words) {
-        if (byte % 4 == 0) *reinterpret_cast<uint32_t*>(row_base + byte) = o.word;
-      } else {
-        row_base[byte] = char(o.word >> (8 * (byte % 4)));
-      }
-    }
-  }
+  fill_with_nan(outputs, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 }  // namespace

@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const RowCall p) {
                                             NoSend{});
   }
   check_header(session, p.exchange, p.signature, early_headers);
+  end_call(session, p.exchange, [&] { return row_outputs(p, sizeof(T), Epilogue::kHasQuant); });
 }
 
 template <typename Tag>

@@ -224,6 +224,7 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
   if (kFused && threadIdx.x == 0) {
     state = read_call_state<GridCoop>(p.exchange);
     shared_state = state;
+    block_lost_data() = 0;
   }
   Vec16 values[kVecsPerThread], gammas[kVecsPerThread];
   load_values(blockIdx.x, values);
@@ -420,7 +421,10 @@ __global__ void __launch_bounds__(kMaxThreads) qk_rmsnorm_kernel(const QkCall p)
     }
     __syncthreads();  // shared_scale and the normalized row are reused by the next token
   }
-  if constexpr (kFused) check_header(session, p.exchange, p.signature, early_headers);
+  if constexpr (kFused) {
+    check_header(session, p.exchange, p.signature, early_headers);
+    end_call(session, p.exchange, [&] { return qk_outputs(p, sizeof(T)); });
+  }
 }
 
 // The many-token form of the fused kernel (launches with more tokens than resident blocks, one
@@ -561,6 +565,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   if (threadIdx.x == 0) {
     state = read_call_state<GridCoop>(p.exchange);
     shared_state = state;
+    block_lost_data() = 0;
   }
   load_group(int64_t(blockIdx.x) * kGroup);
   if constexpr (kRopeRegisters) {
@@ -771,6 +776,7 @@ __global__ void __launch_bounds__(kMaxThreads, kGroupKernelMinBlocks<kVecsPerThr
   }
   const GpuSession<kWorldSize> session(shared_state);
   check_header(session, p.exchange, p.signature, early_headers);
+  end_call(session, p.exchange, [&] { return qk_outputs(p, sizeof(T)); });
 }
 
 // Dynamic shared memory of a launch: with RoPE through shared memory, the normalized row and the

@@ -86,7 +86,10 @@ template <typename T, typename Epilogue, int kVecsPerThread>
 __device__ __forceinline__ CallState begin_call(const RowCall& p, int64_t vectors,
                                                 Vec16 (&row)[kVecsPerThread]) {
   __shared__ CallState shared_state;
-  if (threadIdx.x == 0) shared_state = read_call_state<GridCoop>(p.exchange);
+  if (threadIdx.x == 0) {
+    shared_state = read_call_state<GridCoop>(p.exchange);
+    block_lost_data() = 0;
+  }
   load_contribution<T, Epilogue, kVecsPerThread>(p, blockIdx.x, vectors, row);
   __syncthreads();
   return shared_state;

@@ -144,6 +144,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const RowCall p) {
                                                                vectors, shared_sums, NoSend{});
   }
   check_header(session, p.exchange, p.signature, early_headers);
+  end_call(session, p.exchange, [&] { return row_outputs(p, sizeof(T), Epilogue::kHasQuant); });
 }
 
 template <typename Tag>

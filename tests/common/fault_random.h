@@ -82,10 +82,6 @@ struct Limits {
   // late rank comes 3 times that late.
   double late_timeout = 0.05;
   double late_timeout_step = 0.01;
-  // Whether every output of a call whose ranks disagree is NaN (the CPU backend), or only those
-  // whose wait ended without data (the GPU: tpfuse.h says a disagreeing peer's data may reach
-  // some blocks' outputs, where its packets look like this call's; the error is what tells).
-  bool disagreement_outputs_nan = true;
 };
 
 // --- the sequence ---
@@ -1701,7 +1697,7 @@ class Verifier {
       }
       if (!x.threw || !named) {
         fail("disagreement", rank + " should throw naming a rank whose call differs; " + what(x));
-      } else if (s_.limits.disagreement_outputs_nan && !x.all_nan && !x.untouched) {
+      } else if (!x.all_nan && !x.untouched) {
         // NaN everywhere, or nothing written: a rank that starts after a peer marked the team
         // failed is refused before it writes (tpfuse.h).
         fail("disagreement", rank + " threw as it should, but its outputs are not all NaN");

@@ -247,13 +247,11 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
               << what << ": rank " << r << " got '" << errors[r] << "'";
         }
         field_told = field_told || (own && contains(errors[r], difference.field));
-        // On the CPU, and on CUDA's NCCL path (its header check), every output of a call that
-        // began is NaN, every element; a call the team refused (its failure seen at the start)
-        // wrote nothing. (The GPU's fused waits end with NaN where a disagreeing peer's data did
-        // not arrive; Team::check tells the failure.)
-        if (harness.team()[r].backend() != Backend::kCpu && spec.algorithm != Algorithm::kNccl) {
-          continue;
-        }
+        // Every output of a call that began is NaN, every element (CPU; CUDA's NCCL path, its
+        // header check; the GPU's fused kernels, their end_call). A call the team refused wrote
+        // nothing: on the CPU the error says so; on the GPU a kernel that sees a peer's failure
+        // mark at its start writes nothing, which its host cannot tell (its error is the team's).
+        const bool on_cpu = harness.team()[r].backend() == Backend::kCpu;
         // The rank's own call's outputs (the faulty rank's shape may differ).
         const size_t own_count = size_t(args[r].tokens * args[r].hidden);
         const size_t own_bytes = own_count * dtype_size(args[r].dtype);
@@ -261,20 +259,23 @@ inline MisuseCounts check_misuse(Harness& harness, uint64_t seed, int calls, int
         harness.download(r, norm.data(), buffers[r].norm_out, own_bytes);
         harness.download(r, residual_out.data(), buffers[r].residual_out, own_bytes);
         const bool refused = contains(errors[r], "wrote nothing");
-        size_t wrong = 0;
-        if (refused) {
-          // Still the poison where it was uploaded (past it the buffer was never written either).
-          for (size_t i = 0; i < std::min(own_bytes, row_bytes); ++i) {
-            wrong += norm.bytes[i] != poison.bytes[i] || residual_out.bytes[i] != poison.bytes[i];
-          }
-        } else {
-          for (size_t i = 0; i < own_count; ++i) {
-            wrong += !std::isnan(norm.get(i)) + !std::isnan(residual_out.get(i));
-          }
+        // Still the poison where it was uploaded (past it the buffer was never written either).
+        size_t not_poison = 0;
+        for (size_t i = 0; i < std::min(own_bytes, row_bytes); ++i) {
+          not_poison +=
+              norm.bytes[i] != poison.bytes[i] || residual_out.bytes[i] != poison.bytes[i];
         }
+        size_t not_nan = 0;
+        for (size_t i = 0; i < own_count; ++i) {
+          not_nan += !std::isnan(norm.get(i)) + !std::isnan(residual_out.get(i));
+        }
+        const size_t wrong = refused  ? not_poison
+                             : on_cpu ? not_nan
+                                      : std::min(not_nan, not_poison);
         EXPECT_EQ(wrong, 0u) << what << ": rank " << r
-                             << (refused ? " wrote into a refused call's outputs"
-                                         : " outputs not NaN");
+                             << (refused  ? " wrote into a refused call's outputs"
+                                 : on_cpu ? " outputs not NaN"
+                                          : " outputs neither all NaN nor untouched");
       }
       EXPECT_TRUE(field_told) << what << ": no rank named " << difference.field;
       harness.team() = make_team();

@@ -68,12 +68,6 @@ Limits one_gpu_limits() {
   limits.nccl = false;
   limits.late_timeout = 1.0;
   limits.late_timeout_step = 0.25;
-  // The fused kernels check a peer's header at the end of the call: where a disagreeing peer's
-  // packets have this call's layout (float16 against bfloat16, another eps), its data reaches
-  // the outputs, and the error alone tells (tpfuse.h). The first GPU run (H100, 2026-12-06)
-  // found exactly that with the CPU's rule; NaN in every output there is a kernel change still
-  // to make and measure.
-  limits.disagreement_outputs_nan = false;
   return limits;
 }
 

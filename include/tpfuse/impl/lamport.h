@@ -81,6 +81,10 @@ struct alignas(16) ControlBlock {
   uint32_t call_claims;  // per-call errors claimed (the GPU's claim of ErrorRecord::call_error)
   uint64_t slot_bytes[kSlots];  // bytes per sender each slot received in its last call
   uint32_t sequence;            // calls this rank has made, modulo 2^31 (the next call's number)
+  // Blocks of the call in each slot that have written their outputs (the GPU's fused kernels:
+  // a call that failed once begun waits for them all before it fills its outputs with NaN).
+  // Zeroed for the next call by the last block to arrive.
+  uint32_t finished[kSlots];
 };
 
 TPF_HOST_DEVICE uint32_t next_sequence(uint32_t sequence) {

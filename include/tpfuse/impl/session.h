@@ -276,6 +276,7 @@ class LamportSession {
       Coop::store(&control->slot_bytes[state_.slot], bytes_per_sender);
       Coop::store(&control->slot, next_slot(state_.slot));
       Coop::store(&control->sequence, next_sequence(state_.sequence));
+      Coop::store(&control->finished[next_slot(state_.slot)], 0u);
     }
   }
 
