@@ -233,9 +233,13 @@ bool takes_turns(const TeamState& state) {
          (state.fused || state.ops->nccl_path_takes_turns());
 }
 
-// Whether a rejected call's turn reaches its peers when their call goes to `algorithm`.
+// Whether a rejected call's turn reaches its peers when their call goes to `algorithm`: the
+// fused paths' absent turn does, and so does an NCCL path that takes turns. On a team without an
+// NCCL path (CUDA IPC, SYCL) no peer's call goes there: a rejected call that asked for kNccl
+// takes the absent turn that reaches a peer whose call runs fused.
 bool turn_reaches(const TeamState& state, Algorithm algorithm) {
-  return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns();
+  return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns() ||
+         !state.ops->has_nccl_path(state);
 }
 
 // This rank's turn, without data, in a call its peers make on the NCCL path of a backend whose

@@ -15,8 +15,10 @@
 //       throws naming it, within the timeout;
 //   (c) a rank that never joins creation: the others' create throws naming it;
 //   (d) ranks whose calls disagree (hidden, tokens): every rank's check names the peer and field;
-//   (e) a rank that rejects its arguments: it throws, its peers' check reports the rejection and
-//       their outputs are NaN, and the next call is correct on every rank;
+//   (e) a rank that rejects its arguments (a null gamma; or kNccl, which this team has not,
+//       while its peer's call runs fused): it throws, its peers' check reports the rejection
+//       (not a timeout) and their outputs are NaN, and the next call is correct on
+//       every rank;
 //   (f) a late peer: rank 0 times out alone, then both ranks make a new call: every later call
 //       and check on every rank reports the broken team, and rank 1 never completes a call
 //       with rank 0's abandoned packets (the abandon mark; fails until that lands).
@@ -524,16 +526,20 @@ struct FaultCall {
     args_.hidden = hidden;
     args_.algorithm = spec_.algorithm;
   }
-  // Queues the call (or, with reject, the same call with a null gamma, which throws).
-  void queue(bool reject = false) {
+  // How a rank's call is rejected: a null gamma, or Algorithm::kNccl (the team has no NCCL).
+  enum class Reject { kNone, kNullGamma, kAsksNccl };
+  // Queues the call (or, rejected, the same call made wrong, which throws).
+  void queue(Reject reject = Reject::kNone) {
     const Team& team = harness_.team()[size_t(harness_.rank())];
     if (op_ == Op::kQkNorm) {
       QkNormArgs args = qk_args_;
-      if (reject) args.q_gamma = nullptr;
+      if (reject == Reject::kNullGamma) args.q_gamma = nullptr;
+      if (reject == Reject::kAsksNccl) args.algorithm = Algorithm::kNccl;
       allreduce_qk_rmsnorm(team, args, harness_.stream());
     } else {
       AddRmsNormArgs args = args_;
-      if (reject) args.gamma = nullptr;
+      if (reject == Reject::kNullGamma) args.gamma = nullptr;
+      if (reject == Reject::kAsksNccl) args.algorithm = Algorithm::kNccl;
       allreduce_add_rmsnorm(team, args, harness_.stream());
     }
   }
@@ -680,7 +686,11 @@ TEST_F(OneGpuProcesses, RanksWhoseCallsDisagreeAreToldThePeerAndTheField) {
 
 TEST_F(OneGpuProcesses, ARejectedCallIsReportedAndTheNextCallIsCorrect) {
   const int world = 2;
-  const Op ops[] = {Op::kOneShot, Op::kTwoShot, Op::kQkNorm};
+  using Reject = FaultCall::Reject;
+  const Op ops[] = {Op::kOneShot, Op::kTwoShot, Op::kQkNorm, Op::kOneShot, Op::kQkNorm};
+  const Reject rejects[] = {Reject::kNullGamma, Reject::kNullGamma, Reject::kNullGamma,
+                            Reject::kAsksNccl, Reject::kAsksNccl};
+  const size_t cases = std::size(ops);
   CaseSpec next;
   next.tokens = 3;
   std::vector<CaseSpec> specs;
@@ -699,19 +709,21 @@ TEST_F(OneGpuProcesses, ARejectedCallIsReportedAndTheNextCallIsCorrect) {
     OneProcessHarness harness(join(id, rank, world), world);
     OneShotRunner runner(harness);
     char* at = board.results(rank);
-    for (size_t i = 0; i < 3; ++i) {
-      SCOPED_TRACE(op_name(ops[i]));
+    for (size_t i = 0; i < cases; ++i) {
+      const bool asks_nccl = rejects[i] == Reject::kAsksNccl;
+      SCOPED_TRACE(std::string(op_name(ops[i])) + (asks_nccl ? ", kNccl" : ", null gamma"));
       FaultCall call(harness, ops[i], world, 4, 3072, 48100 + i);
       if (rank == 1) {
         try {
-          call.queue(/*reject=*/true);
-          ADD_FAILURE() << "a null gamma was accepted";
+          call.queue(rejects[i]);
+          ADD_FAILURE() << "the rejected call was accepted";
         } catch (const Error& error) {
-          EXPECT_TRUE(contains(error.what(), "gamma")) << error.what();
+          EXPECT_TRUE(contains(error.what(), asks_nccl ? "needs NCCL" : "gamma")) << error.what();
         }
         EXPECT_EQ(check_error(harness), "");
       } else {
         call.queue();
+        // Told by the rejected call's turn (a timeout's error names no rejection).
         const std::string error = check_error(harness);
         EXPECT_TRUE(contains(error, "rank 1 rejected its part of a call")) << error;
         EXPECT_TRUE(all_nan(call.output())) << "rank 0's outputs of the rejected call";
