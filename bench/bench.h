@@ -21,7 +21,7 @@
 
 namespace tpfuse::bench {
 
-enum class BackendChoice { kAuto, kCuda, kCpu };
+enum class BackendChoice { kAuto, kCuda, kCpu, kSycl };
 
 struct Options {
   std::vector<int64_t> hiddens{3072, 4096, 7168};
@@ -277,6 +277,10 @@ inline size_t fp8_scales_bytes(size_t buffer_bytes) {
 // Modes. Each fills `info` with the device fields and returns the records in measuring order.
 std::vector<Record> run_cpu_bench(const Options& options, RunInfo& info);
 std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info);
+// The SYCL mode (sycl_bench.cc, in builds with the SYCL backend): a SYCL team on the first SYCL
+// GPU, else on the CPU device, and the CPU backend beside it.
+std::vector<Record> run_sycl_bench(const Options& options, RunInfo& info);
+bool sycl_gpu_found();
 
 // Output.
 void write_json(const std::string& path, const RunInfo& info, const std::vector<Record>& records);

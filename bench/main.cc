@@ -38,8 +38,11 @@ constexpr const char* kUsage = R"(usage: tpfuse-bench [options]
   --ops-per-graph N    back-to-back ops per timed replay (default 20; CPU mode 10)
   --replays N          timed replays; the median is reported (default 50; CPU mode 20)
   --packet-mib N       one-shot workspace packet size in MiB (TeamOptions::packet_bytes, default 16)
-  --backend B          auto | cuda | cpu (default auto: cuda where a GPU is found; one GPU
-                       measures the local kernels, a one-rank team and the floors)
+  --backend B          auto | cuda | cpu | sycl (default auto: cuda where a CUDA GPU is found;
+                       one GPU measures the local kernels, a one-rank team and the floors; else
+                       sycl where the build has the SYCL backend and a SYCL GPU is found; else
+                       cpu). sycl: a SYCL team on the first SYCL GPU, else on Intel's OpenCL CPU
+                       device (CPU-device figures), with the CPU backend beside it
   --processes          one process a rank, as serving runs: GPU mode one per GPU over NCCL
                        (create_nccl_team), CPU mode over shared memory (create_cpu_team with
                        an id); default: one process drives every GPU (create_cuda_team), or
@@ -181,8 +184,10 @@ Options parse_options(int argc, char** argv) {
         options.backend = BackendChoice::kCuda;
       } else if (value == "cpu") {
         options.backend = BackendChoice::kCpu;
+      } else if (value == "sycl") {
+        options.backend = BackendChoice::kSycl;
       } else {
-        usage_error("--backend expects auto, cuda or cpu, got '" + value + "'");
+        usage_error("--backend expects auto, cuda, cpu or sycl, got '" + value + "'");
       }
     } else if (flag == "--out-dir") {
       options.out_dir = value;
@@ -271,7 +276,16 @@ std::string create_out_file(const Options& options, const RunInfo& info, int wor
   return create_unique_file(wanted).string();
 }
 
-enum class Mode { kGpu, kCpu };
+enum class Mode { kGpu, kCpu, kSycl };
+
+// Whether this build has the SYCL mode and a SYCL GPU is there (asked only where no CUDA GPU is).
+bool sycl_gpu_in_build() {
+#if TPFUSE_BENCH_SYCL
+  return sycl_gpu_found();
+#else
+  return false;
+#endif
+}
 
 Mode choose_mode(const Options& options) {
   const char* kCpuNote = options.processes
@@ -282,6 +296,14 @@ Mode choose_mode(const Options& options) {
   const bool built_with_cuda = cuda_available();
   const int gpus = cuda_device_count();
   std::string reason;
+  if (options.backend == BackendChoice::kSycl) {
+    if (!sycl_available()) {
+      usage_error(
+          "--backend sycl, but this build has no SYCL backend (no SYCL runtime was found "
+          "when it was configured: scripts/fetch-sycl.sh)");
+    }
+    return Mode::kSycl;
+  }
   if (options.backend == BackendChoice::kCpu) {
     reason = "--backend cpu";
   } else if (!built_with_cuda) {
@@ -302,6 +324,10 @@ Mode choose_mode(const Options& options) {
     }
     return Mode::kGpu;
   }
+  if (options.backend == BackendChoice::kAuto && sycl_gpu_in_build()) {
+    std::printf("%s; a SYCL GPU found: running the SYCL backend\n", reason.c_str());
+    return Mode::kSycl;
+  }
   std::printf("%s%s\n", reason.c_str(), kCpuNote);
   std::fflush(stdout);
   return Mode::kCpu;
@@ -321,8 +347,14 @@ int run(int argc, char** argv) {
   info.date = utc_time(start, "%Y-%m-%dT%H:%M:%SZ");
 
   const Mode mode = choose_mode(options);
-  if (mode == Mode::kCpu && options.shared_device) {
-    usage_error("--shared-device is an option of the GPU mode (this run is on the CPU backend)");
+  if (mode != Mode::kGpu && options.shared_device) {
+    usage_error("--shared-device is an option of the GPU mode (this run is on the " +
+                std::string(mode == Mode::kCpu ? "CPU" : "SYCL") + " backend)");
+  }
+  if (mode == Mode::kSycl && options.processes) {
+    usage_error(
+        "--processes: the SYCL mode's ranks are one process's (SYCL teams across "
+        "processes are not built yet)");
   }
   // Every rank holds kBufferSets sets of four [tokens, hidden] buffers: past these counts a run
   // is a memory test, not a benchmark (100000 tokens of hidden 7168 would take 23 GB a rank).
@@ -343,6 +375,13 @@ int run(int argc, char** argv) {
     if (world_size == 0) world_size = std::min(cuda_device_count(), kGpuMaxDefaultWorld);
 #else
     usage_error("this build of tpfuse-bench has no GPU mode");
+#endif
+  } else if (mode == Mode::kSycl) {
+#if TPFUSE_BENCH_SYCL
+    records = run_sycl_bench(options, info);
+    if (world_size == 0) world_size = kCpuDefaultWorld;
+#else
+    usage_error("this build of tpfuse-bench has no SYCL mode");
 #endif
   } else {
     records = run_cpu_bench(options, info);

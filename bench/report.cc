@@ -103,6 +103,15 @@ constexpr Column kColumns[] = {
     {"fp8_static_no_norm_cpu", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_no_norm_cpu"},
     {"fp8_token_no_norm_cpu", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_no_norm_cpu"},
     {"fp8_group128_no_norm_cpu", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_no_norm_cpu"},
+    // The SYCL mode: the op's time, the host's cost of a call, the local kernel, the FP8 outputs.
+    {"oneshot_sycl", "allreduce_add_rmsnorm", "tpfuse_oneshot_sycl"},
+    {"twoshot_sycl", "allreduce_add_rmsnorm", "tpfuse_twoshot_sycl"},
+    {"oneshot_sycl_host", "allreduce_add_rmsnorm", "tpfuse_oneshot_sycl_host"},
+    {"twoshot_sycl_host", "allreduce_add_rmsnorm", "tpfuse_twoshot_sycl_host"},
+    {"sycl_local", "add_rmsnorm", "sycl_local_add_rmsnorm"},
+    {"fp8_static_sycl", "allreduce_add_rmsnorm_fp8", "tpfuse_auto_sycl"},
+    {"fp8_token_sycl", "allreduce_add_rmsnorm_fp8_token", "tpfuse_auto_sycl"},
+    {"fp8_group128_sycl", "allreduce_add_rmsnorm_fp8_group128", "tpfuse_auto_sycl"},
 };
 constexpr int kSpeedupAfterColumn = 2;
 constexpr int kCpuFusedColumn = 11;
