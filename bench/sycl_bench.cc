@@ -139,7 +139,12 @@ AddRmsNormArgs fused_args(const RankBuffers::Set& set, const void* gamma, int64_
 sycl::device bench_device() {
   const std::vector<sycl::device> gpus = sycl::device::get_devices(sycl::info::device_type::gpu);
   if (!gpus.empty()) return gpus.front();
-  return sycl::device(sycl::cpu_selector_v);
+  const std::vector<sycl::device> cpus = sycl::device::get_devices(sycl::info::device_type::cpu);
+  if (!cpus.empty()) return cpus.front();
+  throw std::runtime_error(
+      "--backend sycl: no SYCL GPU or CPU device found (Intel's OpenCL CPU device needs "
+      "OCL_ICD_FILENAMES=<runtime>/lib/libintelocl.so and <runtime>/lib on LD_LIBRARY_PATH: "
+      "scripts/fetch-sycl.sh prints them)");
 }
 
 std::vector<Record> run_sycl_ranks(const std::vector<Team>& team, const BenchPlan& plan) {
