@@ -233,9 +233,13 @@ bool takes_turns(const TeamState& state) {
          (state.fused || state.ops->nccl_path_takes_turns());
 }
 
-// Whether a rejected call's turn reaches its peers when their call goes to `algorithm`.
+// Whether a rejected call's turn reaches its peers when their call goes to `algorithm`: the
+// fused paths take absent turns, and so does an NCCL path that takes turns (the CPU's stand-in).
+// A team without an NCCL path runs its peers' calls fused whatever this rank asked for (kNccl
+// is then a rejection of its own), so there the absent turn reaches them too.
 bool turn_reaches(const TeamState& state, Algorithm algorithm) {
-  return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns();
+  return algorithm != Algorithm::kNccl || state.ops->nccl_path_takes_turns() ||
+         !state.ops->has_nccl_path(state);
 }
 
 // This rank's turn, without data, in a call its peers make on the NCCL path of a backend whose
