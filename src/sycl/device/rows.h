@@ -19,16 +19,18 @@
 //      two-shot each owner's tokens to it (lamport.h's TwoShotLayout);
 //   3. after a group barrier (every send before any poll: see there), arrive (work-item 0: the
 //      only participant) and clear the previous call's slot. A rank's next call starts only once
-//      this one has ended (its queue is in order: validate_call);
+//      this one has ended (its queue is in order: validate_call). Then the headers, before any
+//      packet is used: work-item r waits for rank r's and checks it (record_header: a rejection,
+//      a disagreement, a failed peer); if any differs, every output of the call is NaN;
 //   4. per token (finish_token): each work-item sums its vectors over the ranks in rank order in
-//      fp32 (its own term from its contribution), polling its peers' packets (wait_packet: a
-//      differing header, a failure of the team or the bound end the wait with NaN), and rounds
+//      fp32 (its own term from its contribution), polling its peers' packets (wait_vector: a
+//      failure of the team or the bound end the wait with NaN, the call lost), and rounds
 //      them once (+ residual) into the output; with a norm, the rounded row is staged, work-item
 //      0 sums its squares in element order (the CPU backend's order: the same bits), and every
 //      work-item normalizes (and quantizes). Two-shot finishes its owned tokens so, sends each
 //      rounded vector to every peer, and after a second barrier finishes the peers' tokens from
 //      their rounded rows (Epilogue::Gathered);
-//   5. work-item r checks rank r's header (record_header: a rejection, a disagreement).
+//   5. a wait that ended without its packet makes every output of the call NaN.
 // Memory ordering: every protocol word goes through exchange.h's release stores and acquire
 // loads. A staged row is read across work-items only after a group barrier (or the broadcast
 // that follows it), whose fence orders the group's global memory.
@@ -177,6 +179,28 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
   }
 }
 
+// Every output of a row call NaN (a call that failed once begun; core/calls.h's row_outputs on
+// the host): residual_out and norm_out, the FP8 bytes (E4M3's NaN) and the dynamic scales.
+template <typename T, typename Epilogue>
+void row_outputs_nan(const SyclRowCall& p, int64_t first, int64_t stride) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.tokens * (p.hidden / kElements);
+  auto* residual_out = static_cast<Vec16*>(p.residual_out);
+  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  for (int64_t i = first; i < vectors; i += stride) {
+    if (residual_out != nullptr) residual_out[i] = nan_vector();
+    if (norm_out != nullptr) norm_out[i] = nan_vector();
+  }
+  if constexpr (Epilogue::kHasQuant) {
+    auto* words = static_cast<uint32_t*>(p.quant_out);  // 16-byte aligned, rows of 8k bytes
+    for (int64_t i = first; i < p.tokens * p.hidden / 4; i += stride) words[i] = 0x7f7f7f7fu;
+    const int64_t scales = output_scale_count(QuantMode(p.quant), p.tokens, p.hidden);
+    for (int64_t i = first; i < scales; i += stride) {
+      p.scales_out[i] = sycl::bit_cast<float>(uint32_t(0x7fc00000u));
+    }
+  }
+}
+
 template <typename T, typename Epilogue>
 void row_call(const SyclRowCall& p) {
   using Session = LamportSession<WorkGroupCoop>;
@@ -201,10 +225,17 @@ void row_call(const SyclRowCall& p) {
   const CallSignature mine = sequenced_signature(p.signature, state.sequence);
   const size_t send_offset = local ? 0 : session.send_offset(x);
   // A peer's packet vector at `offset` bytes into its region of this rank's slot.
+  // (The headers were checked before any is read: step 3.) A wait that ends without the packet
+  // (a failure of the team, the bound) gives NaN and marks the call lost (step 5).
+  bool lost = false;
   const auto packet_of = [&](int sender, uint64_t offset) {
-    return wait_packet(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset),
-                       x, session.received_header(x, sender), mine, sender, state.sequence,
-                       p.bound);
+    Vec16 v;
+    if (!wait_vector(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset), x,
+                     mine, sender, state.sequence, p.bound, v)) {
+      lost = true;
+      return nan_vector();
+    }
+    return v;
   };
   const auto nothing = [](int64_t, const Vec16&) {};
   // One row of scratch for an FP8 call that writes neither norm_out nor residual_out: this rank's
@@ -251,6 +282,34 @@ void row_call(const SyclRowCall& p) {
                      twoshot ? layout.sender_bytes(row_bytes) : uint64_t(p.tokens) * row_bytes);
     }
     session.clear_previous(x);
+    // The headers before any packet is used: work-item r waits for rank r's and checks it
+    // (record_header: a rejection, a disagreement, a failed peer). If any differs (or its wait
+    // ended without it), every output of the call is NaN and no packet is read: a peer whose call
+    // disagrees but keeps the packets' layout (another dtype, another eps) mixes nothing in.
+    bool differs = false;
+    if (first < world && first != rank) {
+      Vec16 header;
+      differs = !wait_vector(session.received_header(x, int(first)), x, mine, int(first),
+                             state.sequence, p.bound, header) ||
+                record_header(Recorder{}, x, mine.header, header, int(first), state.sequence) !=
+                    CallError::kNone;
+    }
+    if (sycl::any_of_group(group, differs)) {
+      // Every store the call's signature implies still goes out (session.h): two-shot's gather
+      // rows too, which a rejecting peer's absent call drains. NaN: no number.
+      if (twoshot) {
+        for (int r = 0; r < world; ++r) {
+          if (r == rank) continue;
+          for (int64_t i = first; i < layout.count(rank) * vectors; i += stride) {
+            auto* gather = reinterpret_cast<Vec16*>(x.workspace[r] + send_offset +
+                                                    layout.gather_row(i / vectors, row_bytes));
+            store_vector(gather + i % vectors, nan_vector());
+          }
+        }
+      }
+      row_outputs_nan<T, Epilogue>(p, first, stride);
+      return;
+    }
   }
 
   // 4. Receive and finish, a token at a time: one-shot every token from every rank's packets
@@ -309,13 +368,11 @@ void row_call(const SyclRowCall& p) {
     }
   }
 
-  // 5. The headers: work-item r checks rank r's (its wait ends at once where the call's data came).
-  if (!local && first < world && first != rank && load_acquire(&x.control->error) == 0) {
-    Vec16 header;
-    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
-                    p.bound, header)) {
-      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
-    }
+  // 5. A wait that ended without its packet: every output of the call NaN, as on the CPU and
+  //    the GPU (what was finished before it holds no number either).
+  if (!local && sycl::any_of_group(group, lost)) {
+    sycl::group_barrier(group);  // after every work-item's last output above
+    row_outputs_nan<T, Epilogue>(p, first, stride);
   }
 }
 

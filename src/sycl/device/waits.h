@@ -1,7 +1,7 @@
 // The waits of the SYCL backend's kernels and what ends them (src/sycl/device/rows.h and
 // qknorm.h, embedded as "tpfuse/sycl/waits.h"): the bound (the device clock, or looks), the
 // records of a failure of the team and of a peer's rejection (record_header's Recorder), the
-// packet and vector waits, and the call state a work-group takes from its work-item 0.
+// vector wait, and the call state a work-group takes from its work-item 0.
 //
 // Waits are bounded by the device's clock where it has one (sycl_ext_oneapi_clock, device scope:
 // the host compiles with -DTPF_SYCL_CLOCK=1): a call's `bound` is TeamOptions::
@@ -116,31 +116,9 @@ inline bool team_stopped(const Exchange& x) {
   return true;
 }
 
-// Waits for a packet vector of `sender`: every kCheckEvery looks it reads the hash word of the
-// sender's header (one that is in and differs from this call's ends the wait: the end-of-call
-// check records why), whether the team has failed, and the bound, where it records a timeout
-// naming the sender. A wait that ends without data gives NaN.
-inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* header,
-                         const CallSignature& mine, int sender, uint32_t sequence, uint64_t bound) {
-  uint64_t start = 0;
-  Vec16 v = load_vector(address);
-  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
-    if (looks % kCheckEvery == 0) {
-      const uint32_t hash = load_acquire(&header->word[3]);
-      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
-      if (team_stopped(x)) return nan_vector();
-      if (bound_passed(bound, looks, start)) {
-        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
-        return nan_vector();
-      }
-    }
-    v = load_vector(address);
-  }
-  return v;
-}
-
-// Waits for a vector (a header, a packet an absent call drains): false if the team failed or
-// the bound passed (a timeout naming `sender`, recorded).
+// Waits for a vector (a header; a packet, read only once its sender's header agreed; a packet
+// an absent call drains): false if the team failed or the bound passed (a timeout naming
+// `sender`, recorded).
 inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSignature& mine,
                         int sender, uint32_t sequence, uint64_t bound, Vec16& v) {
   uint64_t start = 0;
