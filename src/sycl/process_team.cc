@@ -35,6 +35,7 @@
 // A rank's own failure in a step travels in its next record, so its peers throw naming it at
 // once instead of timing out in the next exchange.
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -93,9 +94,12 @@ struct Record {
   char device_key[48];     // ranks of one key share a device (device_key below)
   char device_name[64];
   unsigned char handle[128];  // kIpc: the workspace's IPC handle
-  char message[232];
+  // A CPU device: the CPUs this rank's process may run on (sched_getaffinity), bit c % 64 of
+  // word c / 64; all zero where it is not known.
+  uint64_t cpus[16];
+  char message[360];
 };
-static_assert(sizeof(Record) == 512, "Record is all-gathered as 512 floats");
+static_assert(sizeof(Record) == 768, "Record is all-gathered as 768 floats");
 
 // The bootstrap team's packet: one exchange of the largest team, as floats.
 constexpr size_t kBootstrapPacketBytes = sizeof(Record) * 4 * kMaxWorldSize;
@@ -338,10 +342,23 @@ void check_records(const std::vector<Record>& records, int rank) {
                                       << memory_kind_name(other.memory_kind)
                                       << ": every rank's device must be of one kind");
   }
+  // The ranks on the host's CPU have as many compute units as the CPUs their processes may run
+  // on together (the device's compute units are its process's CPUs): ranks pinned to one core
+  // share it, ranks pinned to two cores each do not. (A count, not a matching of ranks to CPUs:
+  // it never refuses a team whose ranks can each have a CPU, and may pass one whose masks
+  // overlap unevenly.)
+  uint64_t cpus[16] = {};
+  for (const Record& record : records) {
+    for (int w = 0; w < 16; ++w) cpus[w] |= record.cpus[w];
+  }
+  uint32_t cpu_count = 0;
+  for (uint64_t word : cpus) cpu_count += uint32_t(__builtin_popcountll(word));
   std::vector<RankOnDevice> ranks;
   for (int r = 0; r < int(records.size()); ++r) {
     const Record& record = records[size_t(r)];
-    ranks.push_back({r, record.device_key, record.device_name, record.compute_units});
+    const bool on_cpus = std::strcmp(record.device_key, "cpu") == 0 && cpu_count > 0;
+    ranks.push_back(
+        {r, record.device_key, record.device_name, on_cpus ? cpu_count : record.compute_units});
   }
   refuse_more_ranks_than_compute_units(ranks, kOp, ", counted over the team's processes");
 }
@@ -375,6 +392,13 @@ Team create_sycl_team(const CpuTeamId& id, int rank, int world_size, const sycl:
   impl::set_text(record.device_name, sizeof(record.device_name), impl::sycl_device_name(device));
   impl::set_text(record.device_key, sizeof(record.device_key), impl::device_key(device));
   record.compute_units = device.get_info<sycl::info::device::max_compute_units>();
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (device.is_cpu() && ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
+    for (int c = 0; c < CPU_SETSIZE && c < 64 * 16; ++c) {
+      if (CPU_ISSET(c, &allowed)) record.cpus[c / 64] |= uint64_t(1) << (c % 64);
+    }
+  }
   impl::run_step(record, own, [&] {
     TPF_CHECK_ARG(sycl_backend::can_compile_sycl(device), kOp,
                   "device '" << impl::sycl_device_name(device)

@@ -24,7 +24,7 @@ struct RankOnDevice {
 };
 
 // Ranks that would spin on one device at once need a compute unit each (rows.h): more is refused,
-// naming the ranks, the device and its compute units (the fewest any of its ranks reported),
+// naming the ranks, the device and its compute units (the fewest any of its ranks has),
 // rather than left to time out (or hang, without a timeout). `note` follows the count.
 void refuse_more_ranks_than_compute_units(const std::vector<RankOnDevice>& ranks, const char* op,
                                           const std::string& note = "");

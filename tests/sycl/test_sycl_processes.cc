@@ -4,8 +4,10 @@
 // hangs. World 2 (the machine's 2 cores are the device's 2 compute units: at most 2 ranks may
 // spin), except the refusal of one rank more. The CPU backend's bits for add + RMSNorm and
 // allreduce on a few shapes and dtypes, back-to-back calls across processes, a rank that never
-// joins, ranks given other arguments, a rejected call, a killed rank, the refusal, bad arguments.
+// joins, ranks given other arguments, a rejected call, a killed rank, the refusal (of one rank
+// more than the compute units, and of two ranks pinned to one CPU), bad arguments.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -572,6 +574,49 @@ TEST(SyclProcesses, MoreRanksThanComputeUnitsAreRefusedAcrossProcesses) {
     EXPECT_TRUE(contains(outcomes[r], "which has " + std::to_string(units) +
                                           " compute units, counted over the team's processes"))
         << outcomes[r];
+  }
+}
+
+// The CPU device's compute units are its process's CPUs (sched_getaffinity): two ranks pinned
+// to one CPU share one compute unit and are refused; pinned to two CPUs, they are not (and run).
+TEST(SyclProcesses, RanksPinnedToOneCpuAreRefusedAndToTwoAreNot) {
+  TPF_REQUIRE_DEVICE(2);
+  cpu_set_t allowed;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  }
+  ASSERT_EQ(cpus.size(), 2u);
+  for (const bool one_cpu : {true, false}) {
+    SCOPED_TRACE(one_cpu
+                     ? "both ranks on CPU " + std::to_string(cpus[0])
+                     : "on CPUs " + std::to_string(cpus[0]) + " and " + std::to_string(cpus[1]));
+    const CpuTeamId id = create_cpu_team_id();
+    const std::vector<std::string> outcomes = run_processes(2, [&](int rank) {
+      cpu_set_t pinned;
+      CPU_ZERO(&pinned);
+      CPU_SET(cpus[one_cpu ? 0 : size_t(rank)], &pinned);
+      if (::sched_setaffinity(0, sizeof(pinned), &pinned) != 0) throw Error("sched_setaffinity");
+      const sycl::device device = cpu_device();
+      EXPECT_EQ(device.get_info<sycl::info::device::max_compute_units>(), 1u);
+      const Team team = create_sycl_team(id, rank, 2, device, test_options());
+      sycl::queue& queue = sycl_queue(team);
+      float* data = sycl::malloc_shared<float>(64, queue);
+      std::fill(data, data + 64, 1.5f);
+      allreduce(team, data, data, 64, DType::kFloat32, queue);
+      team.check();
+      EXPECT_EQ(data[0], 3.0f);
+      sycl::free(data, queue);
+    });
+    for (int r = 0; r < 2; ++r) {
+      if (one_cpu) {
+        EXPECT_TRUE(contains(outcomes[r], "2 ranks (0, 1) on device '")) << outcomes[r];
+        EXPECT_TRUE(contains(outcomes[r], "which has 1 compute units")) << outcomes[r];
+      } else {
+        EXPECT_EQ(outcomes[r], "") << "rank " << r;
+      }
+    }
   }
 }
 
