@@ -32,6 +32,7 @@
 //      The round is also the barrier after which every workspace holds the sentinel.
 //   2. each rank maps (or opens) its peers' workspaces; the round tells every rank that every
 //      peer has, after which a rank closes its own descriptor (the mappings keep the memory).
+//   3. the handshake: the team's first call (handshake below) proves that stores arrive.
 // A rank's own failure in a step travels in its next record, so its peers throw naming it at
 // once instead of timing out in the next exchange.
 #include <fcntl.h>
@@ -363,6 +364,41 @@ void check_records(const std::vector<Record>& records, int rank) {
   refuse_more_ranks_than_compute_units(ranks, kOp, ", counted over the team's processes");
 }
 
+// 3. The handshake: a first call of the team's own kernels, an allreduce of each rank's number
+// (rank + 1), whose sum every rank checks. It proves that every rank's stores arrive in every
+// peer, through the mappings the kernels use; a peer that died since the last exchange is named
+// by its timeout. Every rank makes it, so the ranks' calls stay in step.
+void handshake(const Team& team, sycl::queue& queue, const char* op) {
+  constexpr int64_t kCount = 2 * kHiddenMultiple;
+  float* values = sycl::malloc_shared<float>(2 * kCount, queue);
+  if (values == nullptr) TPF_FAIL(op << ": out of memory for the handshake");
+  std::fill(values, values + kCount, float(team.rank() + 1));
+  std::fill(values + kCount, values + 2 * kCount, -1.0f);
+  std::string error;
+  try {
+    allreduce(team, values, values + kCount, kCount, DType::kFloat32, Stream{&queue},
+              Algorithm::kOneShot);
+    team.check();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const int world = team.world_size();
+  const float expected = float(world * (world + 1) / 2);
+  int64_t wrong = 0;
+  for (int64_t i = 0; error.empty() && i < kCount; ++i) wrong += values[kCount + i] != expected;
+  const float first = values[kCount];
+  sycl::free(values, queue);
+  if (!error.empty()) {
+    TPF_FAIL(op << ": rank " << team.rank()
+                << ": the handshake (a first call through the team's kernels) failed: " << error);
+  }
+  if (wrong != 0) {
+    TPF_FAIL(op << ": rank " << team.rank() << ": the handshake's sum is wrong in " << wrong
+                << " of " << kCount << " elements (" << first << " where " << expected
+                << "): the ranks' stores do not arrive in their peers' workspaces");
+  }
+}
+
 }  // namespace
 }  // namespace impl
 
@@ -511,7 +547,9 @@ Team create_sycl_team(const CpuTeamId& id, int rank, int world_size, const sycl:
     return bootstrap_state->peer_status ? bootstrap_state->peer_status(peer) : std::string();
   };
   state->memory = memory;
-  return Team(std::move(state));
+  Team team(std::move(state));
+  if (world_size > 1) impl::handshake(team, *queue, kOp);
+  return team;
 }
 
 }  // namespace tpfuse
