@@ -203,6 +203,11 @@ TeamOptions team_options_of(const Options& options);
 void write_records(const std::string& path, const std::vector<Record>& records);
 std::vector<Record> read_records(const std::string& path);
 
+// The fused op's arguments on one buffer set of a mode (eps kEps, the rest the defaults).
+AddRmsNormArgs row_args(const void* input, const void* residual, const void* gamma,
+                        void* residual_out, void* norm_out, int64_t hidden, int64_t tokens,
+                        DType dtype);
+
 // Random values in [low, high), never zero, written as `dtype`: deterministic in `seed`.
 void fill_random_host(void* data, int64_t count, DType dtype, uint64_t seed, float low, float high);
 

@@ -69,6 +69,22 @@ double median(std::vector<double> values) {
   return 0.5 * (lower + upper);
 }
 
+AddRmsNormArgs row_args(const void* input, const void* residual, const void* gamma,
+                        void* residual_out, void* norm_out, int64_t hidden, int64_t tokens,
+                        DType dtype) {
+  AddRmsNormArgs args;
+  args.input = input;
+  args.residual = residual;
+  args.gamma = gamma;
+  args.residual_out = residual_out;
+  args.norm_out = norm_out;
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.dtype = dtype;
+  args.eps = kEps;
+  return args;
+}
+
 void fill_random_host(void* data, int64_t count, DType dtype, uint64_t seed, float low,
                       float high) {
   impl::dispatch_dtype(dtype, [&](auto tag) {

@@ -83,17 +83,8 @@ double measure_batches(Barrier& barrier, const BenchPlan& plan, bool active,
 
 AddRmsNormArgs fused_args(const HostBufferSet& set, const void* gamma, int64_t hidden,
                           int64_t tokens, DType dtype) {
-  AddRmsNormArgs args;
-  args.input = set.input.data;
-  args.residual = set.residual.data;
-  args.gamma = gamma;
-  args.residual_out = set.residual_out.data;
-  args.norm_out = set.norm_out.data;
-  args.tokens = tokens;
-  args.hidden = hidden;
-  args.dtype = dtype;
-  args.eps = kEps;
-  return args;
+  return row_args(set.input.data, set.residual.data, gamma, set.residual_out.data,
+                  set.norm_out.data, hidden, tokens, dtype);
 }
 
 void run_rank(const Team& team, Barrier& barrier, const BenchPlan& plan,

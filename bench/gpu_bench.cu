@@ -356,17 +356,8 @@ class GpuRank {
 
 AddRmsNormArgs fused_args(const DeviceBufferSet& set, const void* gamma, int64_t hidden,
                           int64_t tokens, DType dtype) {
-  AddRmsNormArgs args;
-  args.input = set.input;
-  args.residual = set.residual;
-  args.gamma = gamma;
-  args.residual_out = set.residual_out;
-  args.norm_out = set.norm_out;
-  args.tokens = tokens;
-  args.hidden = hidden;
-  args.dtype = dtype;
-  args.eps = kEps;
-  return args;
+  return row_args(set.input, set.residual, gamma, set.residual_out, set.norm_out, hidden, tokens,
+                  dtype);
 }
 
 // Everything one rank thread measures, in the one order every rank follows.

@@ -122,17 +122,8 @@ Timing measure(const BenchPlan& plan, int ranks, const std::function<void(int, i
 
 AddRmsNormArgs fused_args(const RankBuffers::Set& set, const void* gamma, int64_t hidden,
                           int64_t tokens, DType dtype) {
-  AddRmsNormArgs args;
-  args.input = set.input;
-  args.residual = set.residual;
-  args.gamma = gamma;
-  args.residual_out = set.residual_out;
-  args.norm_out = set.norm_out;
-  args.tokens = tokens;
-  args.hidden = hidden;
-  args.dtype = dtype;
-  args.eps = kEps;
-  return args;
+  return row_args(set.input, set.residual, gamma, set.residual_out, set.norm_out, hidden, tokens,
+                  dtype);
 }
 
 // The team's device: the first SYCL GPU, else the CPU device.

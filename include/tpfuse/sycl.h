@@ -38,6 +38,21 @@ inline Algorithm allreduce(const Team& team, const void* input, void* out, int64
   return allreduce(team, input, out, count, dtype, sycl_stream(queue), algorithm);
 }
 
+inline Algorithm allreduce_qk_rmsnorm(const Team& team, const QkNormArgs& args,
+                                      sycl::queue& queue) {
+  return allreduce_qk_rmsnorm(team, args, sycl_stream(queue));
+}
+
+inline void qk_sum_squares(Backend backend, const QkNormArgs& args, bool count_k, float* sums,
+                           sycl::queue& queue) {
+  qk_sum_squares(backend, args, count_k, sums, sycl_stream(queue));
+}
+
+inline void qk_rmsnorm_from_sums(Backend backend, const QkNormArgs& args, const float* sums,
+                                 sycl::queue& queue) {
+  qk_rmsnorm_from_sums(backend, args, sums, sycl_stream(queue));
+}
+
 inline void reject_call(const Team& team, sycl::queue& queue) {
   reject_call(team, sycl_stream(queue));
 }

@@ -32,8 +32,8 @@ class BackendOps {
                              Stream stream, const char* op) const = 0;
   // The QK norm's checks only the backend can make, before any work (`team` null: the local
   // norm from sums): its positions where it can read them (the CPU's are host memory; the GPU's
-  // kernels bound them instead: that token NaN, the call reported), and what its path for
-  // `algorithm` can carry (CUDA's NCCL path: its sums scratch).
+  // and the SYCL backend's kernels bound them instead: that token NaN, the call reported), and
+  // what its path for `algorithm` can carry (CUDA's NCCL path: its sums scratch).
   virtual void validate_qk(const TeamState*, const QkNormArgs&, Algorithm, const char*) const {}
 
   // Row calls: the two fused algorithms, the NCCL path (the all-reduce engine, then the local

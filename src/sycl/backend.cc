@@ -1,8 +1,8 @@
 // The SYCL backend's BackendOps: per-call checks of the queue and the memory, and each call as
-// one kernel submission (src/sycl/device/rows.h) on the call's queue, with no host wait. A call's
-// Stream carries a sycl::queue* (tpfuse/sycl.h); an empty one is the rank's own in-order queue.
-// What the backend does not run yet (the QK norm)
-// is an error naming it, never a silent fallback.
+// one kernel submission (src/sycl/device/rows.h, qknorm.h) on the call's queue, with no host
+// wait. A call's Stream carries a sycl::queue* (tpfuse/sycl.h); an empty one is the rank's own
+// in-order queue. What the backend does not run (an NCCL path) is an error naming it, never a
+// silent fallback.
 #include <sstream>
 #include <string>
 #include <vector>
@@ -70,6 +70,14 @@ const SyclKernels& sycl_kernels(const sycl::context& context, const sycl::device
                                           {},
                                           {clock ? "-DTPF_SYCL_CLOCK=1" : "-DTPF_SYCL_CLOCK=0"}};
   const sycl_backend::Build build = sycl_backend::kernel_compiler().build(context, device, source);
+  // The QK norm's, a bundle of its own: one source of every kernel compiles slower than two.
+  const sycl_backend::KernelSource qk_source{
+      "the SYCL backend's QK-norm kernels (tpfuse/sycl/qknorm.h)",
+      "#include <tpfuse/sycl/qknorm.h>\n",
+      {},
+      source.options};
+  const sycl_backend::Build qk_build =
+      sycl_backend::kernel_compiler().build(context, device, qk_source);
   SyclKernels kernels;
   for (int d = 0; d < 3; ++d) {
     for (int e = 0; e < kSyclRowEpilogues; ++e) {
@@ -77,13 +85,16 @@ const SyclKernels& sycl_kernels(const sycl::context& context, const sycl::device
           build.kernel(std::string("tpf_sycl_rows_") + kDtypeNames[d] + "_" + kEpilogueNames[e]));
     }
   }
+  for (int d = 0; d < 3; ++d) {
+    kernels.qk.push_back(qk_build.kernel(std::string("tpf_sycl_qk_") + kDtypeNames[d]));
+  }
   kernels.absent = build.kernel("tpf_sycl_absent");
   kernels.calibrate = build.kernel("tpf_sycl_calibrate");
   kernels.clock_rate = build.kernel("tpf_sycl_clock_rate");
   kernels.clock = clock;
   kernels.group_size =
       std::min(kGroupSize, device.get_info<sycl::info::device::max_work_group_size>());
-  kernels.seconds = build.seconds;
+  kernels.seconds = build.seconds + qk_build.seconds;
   entries->push_back(new KernelEntry{context, device, kernels});
   return entries->back()->kernels;
 }
@@ -146,6 +157,36 @@ SyclRowCall row_params(const RowCall& call, bool local, bool twoshot, uint64_t b
   return p;
 }
 
+SyclQkCall qk_params(const QkCall& call, int pass, uint64_t bound) {
+  SyclQkCall p{};
+  p.exchange = call.exchange;
+  p.signature = call.signature;
+  p.qkv = call.qkv;
+  p.q_out = call.q_out;
+  p.k_out = call.k_out;
+  p.q_out_stride = call.q_out_stride;
+  p.k_out_stride = call.k_out_stride;
+  p.q_gamma = call.q_gamma;
+  p.k_gamma = call.k_gamma;
+  p.tokens = call.tokens;
+  p.q_size = call.q_size;
+  p.kv_size = call.kv_size;
+  p.q_global_size = call.q_global_size;
+  p.k_global_size = call.k_global_size;
+  p.counts_k = call.counts_k;
+  p.eps = call.eps;
+  p.rope = int(call.rope);
+  p.head_dim = call.head_dim;
+  p.rotary_dim = call.rotary_dim;
+  p.positions = call.positions;
+  p.cos_sin_cache = call.cos_sin_cache;
+  p.max_position = call.max_position;
+  p.sums = call.sums;
+  p.pass = pass;
+  p.bound = bound;
+  return p;
+}
+
 const sycl::kernel& row_kernel(const SyclKernels& kernels, DType dtype,
                                const RowEpilogueKind& epilogue, const char* op) {
   const int index = sycl_epilogue_index(epilogue);
@@ -200,10 +241,6 @@ class SyclBackend final : public BackendOps {
     }
   }
 
-  void validate_qk(const TeamState*, const QkNormArgs&, Algorithm, const char* op) const override {
-    TPF_CHECK_ARG(false, op, "the SYCL backend does not run the QK norm yet (issue 42)");
-  }
-
   void oneshot(const TeamState& rank, const RowCall& call, DType dtype,
                const RowEpilogueKind& epilogue, Stream stream) const override {
     const SyclTeamState& team = sycl_state(rank);
@@ -235,14 +272,39 @@ class SyclBackend final : public BackendOps {
            row_params(call, true, false, 0), "add_rmsnorm");
   }
 
-  void qk_oneshot(const TeamState&, const QkCall&, DType, Stream) const override {
-    TPF_FAIL("the SYCL backend does not run the QK norm yet (issue 42)");
+  // The QK norm (qknorm.h). Its positions are not read on the host (device memory, which the
+  // host cannot read without waiting): the kernel bounds them, making that token's outputs NaN,
+  // and Team::check reports the token, as on the GPU.
+  void qk_oneshot(const TeamState& rank, const QkCall& call, DType dtype,
+                  Stream stream) const override {
+    const SyclTeamState& team = sycl_state(rank);
+    remember(team, submit(rank_queue(team, stream), team.kernels->qk[size_t(dtype)],
+                          team.kernels->group_size, qk_params(call, kSyclQkFused, team.bound),
+                          "allreduce_qk_rmsnorm"));
   }
   void qk_nccl_path(const TeamState&, const QkCall&, DType, Stream) const override {
     TPF_FAIL("the SYCL backend has no NCCL path");
   }
-  void qk_local(const QkCall&, DType, QkPass, Stream) const override {
-    TPF_FAIL("the SYCL backend does not run the QK norm yet (issue 42)");
+  // A local pass checks the memory it reads and writes itself (the core checks only the queue of
+  // a local call): USM of the queue's context.
+  void qk_local(const QkCall& call, DType dtype, QkPass pass, Stream stream) const override {
+    const bool sums = pass == QkPass::kSums;
+    const char* op = sums ? "qk_sum_squares" : "qk_rmsnorm_from_sums";
+    const bool rope = !sums && call.rope != RopeStyle::kNone;
+    validate_call(nullptr,
+                  {{"qkv", call.qkv},
+                   {"sums", call.sums},
+                   {"q_out", sums ? nullptr : call.q_out},
+                   {"k_out", sums ? nullptr : call.k_out},
+                   {"q_gamma", sums ? nullptr : call.q_gamma},
+                   {"k_gamma", sums ? nullptr : call.k_gamma},
+                   {"positions", rope ? call.positions : nullptr},
+                   {"cos_sin_cache", rope ? call.cos_sin_cache : nullptr}},
+                  stream, op);
+    sycl::queue& queue = *queue_of(stream);
+    const SyclKernels& kernels = sycl_kernels(queue.get_context(), queue.get_device());
+    submit(queue, kernels.qk[size_t(dtype)], kernels.group_size,
+           qk_params(call, sums ? kSyclQkSums : kSyclQkNormFromSums, 0), op);
   }
 
   void absent_call(const TeamState& rank, const CallSignature& signature,

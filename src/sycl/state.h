@@ -23,10 +23,11 @@ const BackendOps& sycl_backend();
 constexpr int kSyclRowEpilogues = 11;
 int sycl_epilogue_index(const RowEpilogueKind& epilogue);
 
-// The backend's kernels (src/sycl/device/rows.h) for one device of one context, compiled once,
-// with their bundle, by the process's kernel compiler (memory and disk caches).
+// The backend's kernels (src/sycl/device/rows.h, qknorm.h) for one device of one context, compiled
+// once, with their bundle, by the process's kernel compiler (memory and disk caches).
 struct SyclKernels {
   std::vector<sycl::kernel> rows;  // [DType][sycl_epilogue_index]
+  std::vector<sycl::kernel> qk;    // [DType]: the QK norm, every pass (qknorm.h)
   std::optional<sycl::kernel> absent;
   std::optional<sycl::kernel> calibrate;
   std::optional<sycl::kernel> clock_rate;

@@ -6,14 +6,71 @@
 
 #include <sycl/sycl.hpp>
 
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "harness.h"
+#include "reference.h"
 #include "tpfuse/sycl.h"
 
 namespace tpfuse::testing {
+
+// The CPU device, or why there is none (a failure where TPFUSE_SYCL_REQUIRE_DEVICE is set, as
+// ctest sets it; a skip by hand without the environment fetch-sycl.sh prints).
+inline bool find_cpu_device(std::optional<sycl::device>& device, std::string& why) {
+  try {
+    device = sycl::device(sycl::cpu_selector_v);
+    return true;
+  } catch (const sycl::exception& error) {
+    why = std::string(
+              "no SYCL CPU device (set OCL_ICD_FILENAMES and LD_LIBRARY_PATH as "
+              "scripts/fetch-sycl.sh prints): ") +
+          error.what();
+    return false;
+  }
+}
+
+#define TPF_REQUIRE_DEVICE(device)                                       \
+  std::optional<sycl::device> tpf_device_;                               \
+  {                                                                      \
+    std::string tpf_why_;                                                \
+    if (!find_cpu_device(tpf_device_, tpf_why_)) {                       \
+      if (std::getenv("TPFUSE_SYCL_REQUIRE_DEVICE")) FAIL() << tpf_why_; \
+      GTEST_SKIP() << tpf_why_;                                          \
+    }                                                                    \
+  }                                                                      \
+  const sycl::device device = *tpf_device_
+
+// Two ranks spin at once: a device of fewer compute units refuses the team (the refusal test
+// checks that); the tests of two ranks skip it, saying why.
+#define TPF_REQUIRE_TWO_COMPUTE_UNITS(device)                                 \
+  if (device.get_info<sycl::info::device::max_compute_units>() < 2) {         \
+    GTEST_SKIP() << "two ranks need 2 compute units, the device has "         \
+                 << device.get_info<sycl::info::device::max_compute_units>(); \
+  }
+
+inline std::vector<Team> two_ranks(const sycl::device& device, const TeamOptions& options = {}) {
+  return create_sycl_team(std::vector<sycl::device>{device, device}, options);
+}
+
+// Whether two outputs have the same bits, element by element, NaN payloads aside (where two NaNs
+// meet, which payload survives is the compiler's choice, as on the CPU backend).
+inline size_t differing_elements(const HostTensor& a, const HostTensor& b) {
+  size_t differ = 0;
+  for (size_t i = 0; i < a.count(); ++i) {
+    const bool both_nan = std::isnan(a.get(i)) && std::isnan(b.get(i));
+    const size_t size = dtype_size(a.dtype);
+    differ += !both_nan && std::memcmp(a.bytes.data() + i * size, b.bytes.data() + i * size, size);
+  }
+  return differ;
+}
 
 class SyclHarness : public Harness {
  public:

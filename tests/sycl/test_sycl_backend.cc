@@ -21,44 +21,6 @@
 namespace tpfuse::testing {
 namespace {
 
-// The CPU device, or why there is none (a failure where TPFUSE_SYCL_REQUIRE_DEVICE is set, as
-// ctest sets it; a skip by hand without the environment fetch-sycl.sh prints).
-bool find_cpu_device(std::optional<sycl::device>& device, std::string& why) {
-  try {
-    device = sycl::device(sycl::cpu_selector_v);
-    return true;
-  } catch (const sycl::exception& error) {
-    why = std::string(
-              "no SYCL CPU device (set OCL_ICD_FILENAMES and LD_LIBRARY_PATH as "
-              "scripts/fetch-sycl.sh prints): ") +
-          error.what();
-    return false;
-  }
-}
-
-#define TPF_REQUIRE_DEVICE(device)                                       \
-  std::optional<sycl::device> tpf_device_;                               \
-  {                                                                      \
-    std::string tpf_why_;                                                \
-    if (!find_cpu_device(tpf_device_, tpf_why_)) {                       \
-      if (std::getenv("TPFUSE_SYCL_REQUIRE_DEVICE")) FAIL() << tpf_why_; \
-      GTEST_SKIP() << tpf_why_;                                          \
-    }                                                                    \
-  }                                                                      \
-  const sycl::device device = *tpf_device_
-
-// Two ranks spin at once: a device of fewer compute units refuses the team (the refusal test
-// checks that); the tests of two ranks skip it, saying why.
-#define TPF_REQUIRE_TWO_COMPUTE_UNITS(device)                                 \
-  if (device.get_info<sycl::info::device::max_compute_units>() < 2) {         \
-    GTEST_SKIP() << "two ranks need 2 compute units, the device has "         \
-                 << device.get_info<sycl::info::device::max_compute_units>(); \
-  }
-
-std::vector<Team> two_ranks(const sycl::device& device, const TeamOptions& options = {}) {
-  return create_sycl_team(std::vector<sycl::device>{device, device}, options);
-}
-
 // The shared properties (tests/common/oneshot_properties.h), one-shot forced unless a test says
 // otherwise (the FP8 outputs and the MoE finalize are not on the SYCL backend yet).
 class SyclProperties : public ::testing::Test {
@@ -111,18 +73,6 @@ TEST_F(SyclProperties, TwoShotGivesOneShotBitsWhateverTheBatch) {
 TEST_F(SyclProperties, ThousandsOfConsecutiveCalls) {
   harness_->algorithm = Algorithm::kAuto;
   check_consecutive_calls(*harness_, 1500, 1000, 16, 64);
-}
-
-// Whether two outputs have the same bits, element by element, NaN payloads aside (where two NaNs
-// meet, which payload survives is the compiler's choice, as on the CPU backend).
-size_t differing_elements(const HostTensor& a, const HostTensor& b) {
-  size_t differ = 0;
-  for (size_t i = 0; i < a.count(); ++i) {
-    const bool both_nan = std::isnan(a.get(i)) && std::isnan(b.get(i));
-    const size_t size = dtype_size(a.dtype);
-    differ += !both_nan && std::memcmp(a.bytes.data() + i * size, b.bytes.data() + i * size, size);
-  }
-  return differ;
 }
 
 // The FP8 outputs in every mode (tests/common/oneshot_properties.h's check_fp8_outputs: the
@@ -442,8 +392,8 @@ TEST(SyclFaults, TeamCreationRefusesMoreRanksThanComputeUnits) {
   EXPECT_NO_THROW(create_sycl_team(std::vector<sycl::device>(std::min(units, 2u), device)));
 }
 
-// What the backend does not run yet is an error naming it, not a hang or a silent fallback; a
-// call's queue must be in order, and its memory USM of the team's context.
+// What the backend does not run (an NCCL path) is an error naming it, not a hang or a silent
+// fallback; a call's queue must be in order, and its memory USM of the team's context.
 TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
   TPF_REQUIRE_DEVICE(device);
   TPF_REQUIRE_TWO_COMPUTE_UNITS(device);
@@ -468,7 +418,7 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
            "must be in order");
   rejected([&] { allreduce(harness.team()[0], host.data(), b, 64, DType::kFloat32); },
            "input must be USM memory");
-  // The QK norm: rejected (a turn taken), not yet on the SYCL backend.
+  // The QK norm's NCCL path: none on the SYCL backend (rejected, a turn taken).
   QkNormArgs qk;
   qk.qkv = harness.allocate(0, 4 * 256 * 2);
   qk.q_gamma = harness.allocate(0, 256);
@@ -478,8 +428,31 @@ TEST(SyclFaults, UnsupportedCallsAndBadQueuesAreErrors) {
   qk.kv_size = 64;
   qk.q_global_size = 256;
   qk.k_global_size = 128;
-  rejected([&] { allreduce_qk_rmsnorm(harness.team()[0], qk, sycl_stream(harness.queue(0))); },
-           "does not run the QK norm yet");
+  qk.algorithm = Algorithm::kNccl;
+  rejected([&] { allreduce_qk_rmsnorm(harness.team()[0], qk, harness.queue(0)); },
+           "algorithm nccl needs NCCL");
+  // Its positions must be USM memory of the team's context too.
+  std::vector<int64_t> host_positions(2, 0);
+  qk.algorithm = Algorithm::kAuto;
+  qk.rope = RopeStyle::kNeox;
+  qk.head_dim = 64;
+  qk.rotary_dim = 64;
+  qk.positions = host_positions.data();
+  qk.cos_sin_cache = static_cast<const float*>(harness.allocate(0, 64 * 4));
+  qk.max_position = 1;
+  rejected([&] { allreduce_qk_rmsnorm(harness.team()[0], qk, harness.queue(0)); },
+           "positions must be USM memory");
+  // A local pass checks its memory as well: sums in host memory.
+  std::vector<float> host_sums(4);
+  qk.rope = RopeStyle::kNone;
+  try {
+    qk_sum_squares(Backend::kSycl, qk, true, host_sums.data(), harness.queue(0));
+    ADD_FAILURE() << "qk_sum_squares accepted sums in host memory";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("qk_sum_squares: sums must be USM memory"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(SyclFaults, ABuildWithTheBackendSaysSo) {

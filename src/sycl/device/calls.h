@@ -1,6 +1,7 @@
-// The parameters of the SYCL backend's kernels, passed by value (src/sycl/device/rows.h): the
-// host side (src/sycl/backend.cc) fills them from the core's RowCall, the device side reads
-// them. Host and device code, no SYCL header: embedded as "tpfuse/sycl/calls.h".
+// The parameters of the SYCL backend's kernels, passed by value (src/sycl/device/rows.h,
+// qknorm.h): the host side (src/sycl/backend.cc) fills them from the core's RowCall and QkCall,
+// the device side reads them. Host and device code, no SYCL header: embedded as
+// "tpfuse/sycl/calls.h".
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,41 @@ struct SyclRowCall {
   int local;       // 1: no exchange (add_rmsnorm, a one-rank team)
   int twoshot;     // 1: two-shot (lamport.h's TwoShotLayout), else one-shot
   uint64_t bound;  // the waits' bound: device clock ticks, or looks without a clock (rows.h)
+};
+
+// The passes of a QK call (src/core/calls.h's QkPass, by value): the fused call (the protocol),
+// this rank's sums (qk_sum_squares), the norm from global sums (qk_rmsnorm_from_sums).
+constexpr int kSyclQkFused = 0;
+constexpr int kSyclQkSums = 1;
+constexpr int kSyclQkNormFromSums = 2;
+
+// One QK-norm call or one of its local passes: the core's QkCall, enums as ints.
+struct SyclQkCall {
+  Exchange exchange;
+  CallSignature signature;  // without the call number: the kernel folds its own in
+  const void* qkv;
+  void* q_out;  // row stride q_out_stride elements
+  void* k_out;  // row stride k_out_stride elements
+  int64_t q_out_stride;
+  int64_t k_out_stride;
+  const void* q_gamma;
+  const void* k_gamma;
+  int64_t tokens;
+  int64_t q_size;
+  int64_t kv_size;
+  int64_t q_global_size;
+  int64_t k_global_size;
+  int counts_k;  // 0 on ranks whose KV heads another rank already counts
+  float eps;
+  int rope;  // a RopeStyle
+  int64_t head_dim;
+  int64_t rotary_dim;
+  const int64_t* positions;
+  const float* cos_sin_cache;
+  int64_t max_position;
+  float* sums;     // the local passes: [tokens, 2], written (kSyclQkSums) or read
+  int pass;        // kSyclQk*
+  uint64_t bound;  // the waits' bound (waits.h)
 };
 
 // An absent call (session.h): this rank's turn without data.

@@ -19,26 +19,23 @@
 //      two-shot each owner's tokens to it (lamport.h's TwoShotLayout);
 //   3. after a group barrier (every send before any poll: see there), arrive (work-item 0: the
 //      only participant) and clear the previous call's slot. A rank's next call starts only once
-//      this one has ended (its queue is in order: validate_call);
+//      this one has ended (its queue is in order: validate_call). Then the headers, before any
+//      packet is used: work-item r waits for rank r's and checks it (record_header: a rejection,
+//      a disagreement, a failed peer); if any differs, every output of the call is NaN;
 //   4. per token (finish_token): each work-item sums its vectors over the ranks in rank order in
-//      fp32 (its own term from its contribution), polling its peers' packets (wait_packet: a
-//      differing header, a failure of the team or the bound end the wait with NaN), and rounds
+//      fp32 (its own term from its contribution), polling its peers' packets (wait_vector: a
+//      failure of the team or the bound end the wait with NaN, the call lost), and rounds
 //      them once (+ residual) into the output; with a norm, the rounded row is staged, work-item
 //      0 sums its squares in element order (the CPU backend's order: the same bits), and every
 //      work-item normalizes (and quantizes). Two-shot finishes its owned tokens so, sends each
 //      rounded vector to every peer, and after a second barrier finishes the peers' tokens from
 //      their rounded rows (Epilogue::Gathered);
-//   5. work-item r checks rank r's header (record_header: a rejection, a disagreement).
+//   5. a wait that ended without its packet makes every output of the call NaN.
 // Memory ordering: every protocol word goes through exchange.h's release stores and acquire
 // loads. A staged row is read across work-items only after a group barrier (or the broadcast
 // that follows it), whose fence orders the group's global memory.
 //
-// Waits are bounded by the device's clock where it has one (sycl_ext_oneapi_clock, device scope:
-// the host compiles with -DTPF_SYCL_CLOCK=1): SyclRowCall::bound is TeamOptions::
-// peer_timeout_seconds in its ticks, at a rate the team measured when it was made
-// (tpf_sycl_clock_rate, src/sycl/team.cc). A device without one counts looks instead, at a rate
-// measured by one work-item (tpf_sycl_calibrate): approximate, as a look's cost depends on how
-// the device runs a group's work-items.
+// Waits (tpfuse/sycl/waits.h) are bounded by the device's clock where it has one, else by looks.
 #pragma once
 
 #include <sycl/sycl.hpp>
@@ -51,152 +48,9 @@
 #include "tpfuse/impl/session.h"
 #include "tpfuse/sycl/calls.h"
 #include "tpfuse/sycl/exchange.h"
-
-#ifndef TPF_SYCL_CLOCK
-#define TPF_SYCL_CLOCK 0
-#endif
+#include "tpfuse/sycl/waits.h"
 
 namespace tpfuse::impl::sycl_device {
-
-// The device clock's ticks (0 without one).
-inline uint64_t device_ticks() {
-#if TPF_SYCL_CLOCK
-  namespace syclex = sycl::ext::oneapi::experimental;
-  return syclex::clock<syclex::clock_scope::device>();
-#else
-  return 0;
-#endif
-}
-
-// The waits' bound (SyclRowCall::bound; 0: none): whether it has passed at this check, `looks`
-// looks into the wait, whose first check read the clock into `start`.
-inline bool bound_passed(uint64_t bound, uint64_t looks, uint64_t& start) {
-  if (bound == 0) return false;
-#if TPF_SYCL_CLOCK
-  (void)looks;
-  const uint64_t now = device_ticks();
-  if (start == 0) {
-    start = now | 1u;
-    return false;
-  }
-  return now - start > bound;
-#else
-  (void)start;
-  return looks >= bound;
-#endif
-}
-
-// Looks at a vector between two checks of the slow path (the header, the error word, the mark,
-// the bound).
-constexpr uint64_t kCheckEvery = 64;
-
-// A failure of the team seen by this rank (kTimeout, kMismatch, or kPeerFailed from a header):
-// the first claims the control block's error word, fills the error record (host memory: the
-// details, then the kind with release) and, for a failure of its own, stores its mark into every
-// rank's workspace.
-inline void record_team_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
-                                const Vec16& theirs, uint32_t sequence) {
-  uint32_t expected = 0;
-  if (!ProtocolAtomic<uint32_t>(x.control->error)
-           .compare_exchange_strong(expected, uint32_t(1 + peer), sycl::memory_order::acq_rel)) {
-    return;
-  }
-  x.errors->failure_peer = uint32_t(peer);
-  x.errors->sequence = sequence;
-  x.errors->mine = mine;
-  x.errors->theirs = theirs;
-  store_release(&x.errors->failure, uint32_t(kind));
-  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
-    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
-    for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
-  }
-}
-
-// A peer's rejection: recorded once per Team::check (call_claims moves from the record's
-// call_generation to one past it, as on the GPU).
-inline void record_rejection(const Exchange& x, int sender) {
-  const uint32_t generation = load_acquire(&x.errors->call_generation);
-  uint32_t expected = generation;
-  if (ProtocolAtomic<uint32_t>(x.control->call_claims)
-          .compare_exchange_strong(expected, generation + 1, sycl::memory_order::acq_rel)) {
-    x.errors->call_peer = uint32_t(sender);
-    store_release(&x.errors->call_error, uint32_t(CallError::kPeerRejected));
-  }
-}
-
-// record_header's Recorder (session.h).
-struct Recorder {
-  void on_rejection(const Exchange& x, int sender) const { record_rejection(x, sender); }
-  void on_failure(const Exchange& x, CallError kind, int sender, const Vec16& mine,
-                  const Vec16& theirs, uint32_t sequence) const {
-    record_team_failure(x, kind, sender, mine, theirs, sequence);
-  }
-};
-
-// Whether this rank's team has failed: its error word, or a peer's failure mark (recorded then).
-inline bool team_stopped(const Exchange& x) {
-  if (load_acquire(&x.control->error) != 0) return true;
-  const Vec16* mark = x.mark();
-  if (load_acquire(&mark->word[0]) == kSentinel) return false;
-  const Vec16 m = load_vector(mark);
-  if (!has_arrived(m)) return false;
-  WorkGroupCoop::record_mark(x, m);
-  return true;
-}
-
-// Waits for a packet vector of `sender`: every kCheckEvery looks it reads the hash word of the
-// sender's header (one that is in and differs from this call's ends the wait: the end-of-call
-// check records why), whether the team has failed, and the bound, where it records a timeout
-// naming the sender. A wait that ends without data gives NaN.
-inline Vec16 wait_packet(const Vec16* address, const Exchange& x, const Vec16* header,
-                         const CallSignature& mine, int sender, uint32_t sequence, uint64_t bound) {
-  uint64_t start = 0;
-  Vec16 v = load_vector(address);
-  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
-    if (looks % kCheckEvery == 0) {
-      const uint32_t hash = load_acquire(&header->word[3]);
-      if (hash != kSentinel && hash != mine.hash()) return nan_vector();
-      if (team_stopped(x)) return nan_vector();
-      if (bound_passed(bound, looks, start)) {
-        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
-        return nan_vector();
-      }
-    }
-    v = load_vector(address);
-  }
-  return v;
-}
-
-// Waits for a vector (a header, a packet an absent call drains): false if the team failed or
-// the bound passed (a timeout naming `sender`, recorded).
-inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSignature& mine,
-                        int sender, uint32_t sequence, uint64_t bound, Vec16& v) {
-  uint64_t start = 0;
-  v = load_vector(address);
-  for (uint64_t looks = 1; !has_arrived(v); ++looks) {
-    if (looks % kCheckEvery == 0) {
-      if (team_stopped(x)) return false;
-      if (bound_passed(bound, looks, start)) {
-        record_team_failure(x, CallError::kTimeout, sender, mine.header, v, sequence);
-        return false;
-      }
-    }
-    v = load_vector(address);
-  }
-  return true;
-}
-
-// Step 1: work-item 0 reads the call state, the group takes it.
-inline CallState group_call_state(const sycl::group<1>& group, const Exchange& x, bool first) {
-  CallState read{};
-  if (first) read = read_call_state<WorkGroupCoop>(x);
-  CallState state;
-  state.slot = sycl::group_broadcast(group, read.slot, 0);
-  state.failed = sycl::group_broadcast(group, read.failed, 0);
-  state.sequence = sycl::group_broadcast(group, read.sequence, 0);
-  state.clear_bytes = sycl::group_broadcast(group, read.clear_bytes, 0);
-  return state;
-}
 
 // Vector v of token `token`'s contribution to the sum: its input, or (kHasMoe) the MoE combine of
 // its expert rows, sum_j w_j * x_j in fp32 in j order plus the shared row, packed once
@@ -325,6 +179,28 @@ void finish_token(const SyclRowCall& p, const sycl::group<1>& group, int64_t fir
   }
 }
 
+// Every output of a row call NaN (a call that failed once begun; core/calls.h's row_outputs on
+// the host): residual_out and norm_out, the FP8 bytes (E4M3's NaN) and the dynamic scales.
+template <typename T, typename Epilogue>
+void row_outputs_nan(const SyclRowCall& p, int64_t first, int64_t stride) {
+  constexpr int kElements = Packed<T>::kElements;
+  const int64_t vectors = p.tokens * (p.hidden / kElements);
+  auto* residual_out = static_cast<Vec16*>(p.residual_out);
+  auto* norm_out = static_cast<Vec16*>(p.norm_out);
+  for (int64_t i = first; i < vectors; i += stride) {
+    if (residual_out != nullptr) residual_out[i] = nan_vector();
+    if (norm_out != nullptr) norm_out[i] = nan_vector();
+  }
+  if constexpr (Epilogue::kHasQuant) {
+    auto* words = static_cast<uint32_t*>(p.quant_out);  // 16-byte aligned, rows of 8k bytes
+    for (int64_t i = first; i < p.tokens * p.hidden / 4; i += stride) words[i] = 0x7f7f7f7fu;
+    const int64_t scales = output_scale_count(QuantMode(p.quant), p.tokens, p.hidden);
+    for (int64_t i = first; i < scales; i += stride) {
+      p.scales_out[i] = sycl::bit_cast<float>(uint32_t(0x7fc00000u));
+    }
+  }
+}
+
 template <typename T, typename Epilogue>
 void row_call(const SyclRowCall& p) {
   using Session = LamportSession<WorkGroupCoop>;
@@ -349,10 +225,17 @@ void row_call(const SyclRowCall& p) {
   const CallSignature mine = sequenced_signature(p.signature, state.sequence);
   const size_t send_offset = local ? 0 : session.send_offset(x);
   // A peer's packet vector at `offset` bytes into its region of this rank's slot.
+  // (The headers were checked before any is read: step 3.) A wait that ends without the packet
+  // (a failure of the team, the bound) gives NaN and marks the call lost (step 5).
+  bool lost = false;
   const auto packet_of = [&](int sender, uint64_t offset) {
-    return wait_packet(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset),
-                       x, session.received_header(x, sender), mine, sender, state.sequence,
-                       p.bound);
+    Vec16 v;
+    if (!wait_vector(reinterpret_cast<const Vec16*>(session.receive_region(x, sender) + offset), x,
+                     mine, sender, state.sequence, p.bound, v)) {
+      lost = true;
+      return nan_vector();
+    }
+    return v;
   };
   const auto nothing = [](int64_t, const Vec16&) {};
   // One row of scratch for an FP8 call that writes neither norm_out nor residual_out: this rank's
@@ -399,6 +282,34 @@ void row_call(const SyclRowCall& p) {
                      twoshot ? layout.sender_bytes(row_bytes) : uint64_t(p.tokens) * row_bytes);
     }
     session.clear_previous(x);
+    // The headers before any packet is used: work-item r waits for rank r's and checks it
+    // (record_header: a rejection, a disagreement, a failed peer). If any differs (or its wait
+    // ended without it), every output of the call is NaN and no packet is read: a peer whose call
+    // disagrees but keeps the packets' layout (another dtype, another eps) mixes nothing in.
+    bool differs = false;
+    if (first < world && first != rank) {
+      Vec16 header;
+      differs = !wait_vector(session.received_header(x, int(first)), x, mine, int(first),
+                             state.sequence, p.bound, header) ||
+                record_header(Recorder{}, x, mine.header, header, int(first), state.sequence) !=
+                    CallError::kNone;
+    }
+    if (sycl::any_of_group(group, differs)) {
+      // Every store the call's signature implies still goes out (session.h): two-shot's gather
+      // rows too, which a rejecting peer's absent call drains. NaN: no number.
+      if (twoshot) {
+        for (int r = 0; r < world; ++r) {
+          if (r == rank) continue;
+          for (int64_t i = first; i < layout.count(rank) * vectors; i += stride) {
+            auto* gather = reinterpret_cast<Vec16*>(x.workspace[r] + send_offset +
+                                                    layout.gather_row(i / vectors, row_bytes));
+            store_vector(gather + i % vectors, nan_vector());
+          }
+        }
+      }
+      row_outputs_nan<T, Epilogue>(p, first, stride);
+      return;
+    }
   }
 
   // 4. Receive and finish, a token at a time: one-shot every token from every rank's packets
@@ -457,13 +368,11 @@ void row_call(const SyclRowCall& p) {
     }
   }
 
-  // 5. The headers: work-item r checks rank r's (its wait ends at once where the call's data came).
-  if (!local && first < world && first != rank && load_acquire(&x.control->error) == 0) {
-    Vec16 header;
-    if (wait_vector(session.received_header(x, int(first)), x, mine, int(first), state.sequence,
-                    p.bound, header)) {
-      record_header(Recorder{}, x, mine.header, header, int(first), state.sequence);
-    }
+  // 5. A wait that ended without its packet: every output of the call NaN, as on the CPU and
+  //    the GPU (what was finished before it holds no number either).
+  if (!local && sycl::any_of_group(group, lost)) {
+    sycl::group_barrier(group);  // after every work-item's last output above
+    row_outputs_nan<T, Epilogue>(p, first, stride);
   }
 }
 
