@@ -97,8 +97,10 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
 // name it as not joined. A rank's kernels are compiled (or loaded from the caches: minutes cold)
 // before it joins, so peer_timeout_seconds must allow for a peer's cold compile; then each wait
 // for the peers lasts up to peer_timeout_seconds + handshake_timeout_seconds (0 peer timeout:
-// forever), after which the ranks that never joined are named, never waited for. A peer that dies
-// later is reported by the call that waits for it, with its process ("has exited").
+// forever), after which the ranks that never joined are named, never waited for. Last, a
+// handshake: the team's first call (an allreduce of each rank's number, its sum checked) proves
+// that every rank's stores arrive in every peer; its failure is an error of the creation. A peer
+// that dies later is reported by the call that waits for it, with its process ("has exited").
 Team create_sycl_team(const CpuTeamId& id, int rank, int world_size, const sycl::device& device,
                       const TeamOptions& options = {});
 
