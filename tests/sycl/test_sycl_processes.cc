@@ -7,9 +7,11 @@
 // joins, ranks given other arguments, a rejected call, a killed rank, the refusal (of one rank
 // more than the compute units, and of two ranks pinned to one CPU), bad arguments.
 #include <gtest/gtest.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -445,6 +447,35 @@ TEST(SyclProcesses, RanksGivenDifferentArgumentsAreTold) {
     for (int r = 0; r < 2; ++r) {
       EXPECT_TRUE(contains(outcomes[r], "options.peer_stores must be true")) << outcomes[r];
     }
+  }
+}
+
+// A rank whose own setup fails (here its workspace, which RLIMIT_FSIZE keeps from being sized:
+// EFBIG) still joins and tells its peers: every rank throws naming it, with its message, at once.
+TEST(SyclProcesses, ARankWhoseSetupFailsIsNamedOnEveryRank) {
+  TPF_REQUIRE_DEVICE(2);
+  const CpuTeamId id = create_cpu_team_id();
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::string> outcomes = run_processes(2, [&](int rank) {
+    if (rank == 1) {
+      // SIGXFSZ blocked, not ignored: the runtime's compiler (LLVM) installs a handler of its own
+      // for it, which prints a crash banner. Blocked, it stays pending; the call fails (EFBIG).
+      sigset_t file_size;
+      sigemptyset(&file_size);
+      sigaddset(&file_size, SIGXFSZ);
+      ::pthread_sigmask(SIG_BLOCK, &file_size, nullptr);
+      const rlimit limit{1 << 20, 1 << 20};  // below the 6 MiB workspace
+      if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) throw Error("setrlimit");
+    }
+    create_sycl_team(id, rank, 2, cpu_device(), test_options(30.0));
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  std::printf("rank 0 was told: %s\n", outcomes[0].c_str());
+  EXPECT_TRUE(contains(outcomes[0], "rank 0: rank 1's setup failed: ")) << outcomes[0];
+  EXPECT_TRUE(contains(outcomes[1], "rank 1: setup failed: ")) << outcomes[1];
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(contains(outcomes[r], "bytes of shared memory for the workspace")) << outcomes[r];
+    EXPECT_TRUE(contains(outcomes[r], "File too large")) << outcomes[r];
   }
 }
 
