@@ -338,7 +338,8 @@ Algorithm run_rows(const Team& team, const AddRmsNormArgs& args, const RowEpilog
     // One rank has nothing to exchange: every algorithm is the local epilogue, the same bits
     // without the protocol's work (control block, headers, slot) or an all-reduce that copies.
     if (args.tokens > 0) {
-      state.ops->local_epilogue(make_row_call(nullptr, args), args.dtype, epilogue, stream);
+      state.ops->local_epilogue(make_row_call(nullptr, args), args.dtype, epilogue,
+                                state.ops->rank_stream(state, stream));
     }
     return algorithm;
   }

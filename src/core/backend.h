@@ -46,6 +46,10 @@ class BackendOps {
                          const RowEpilogueKind& epilogue, Stream stream) const = 0;
   virtual void local_epilogue(const RowCall& call, DType dtype, const RowEpilogueKind& epilogue,
                               Stream stream) const = 0;
+  // The stream a call of rank `team` that runs the local epilogue (a team of one) goes to:
+  // `stream`, or where it is empty and the backend keeps a stream of the rank's own, that one
+  // (the SYCL backend's in-order queue of the rank: sycl_queue(team)).
+  virtual Stream rank_stream(const TeamState&, Stream stream) const { return stream; }
 
   // The QK norm: fused, through the NCCL path, and its local halves.
   virtual void qk_oneshot(const TeamState& team, const QkCall& call, DType dtype,

@@ -207,9 +207,6 @@ class SyclBackend final : public BackendOps {
     TPF_CHECK_ARG(team != nullptr || queue != nullptr, op,
                   "a local call of the SYCL backend needs the sycl::queue to run on "
                   "(tpfuse/sycl.h)");
-    TPF_CHECK_ARG(team == nullptr || team->world_size() > 1 || queue != nullptr, op,
-                  "a SYCL team of one rank runs the local kernel, which needs the sycl::queue to "
-                  "run on (tpfuse/sycl.h)");
     if (queue != nullptr) {
       TPF_CHECK_ARG(queue->is_in_order(), op,
                     "the sycl::queue must be in order (sycl::property::queue::in_order): a rank's "
@@ -319,7 +316,12 @@ class SyclBackend final : public BackendOps {
   bool has_nccl_path(const TeamState&) const override { return false; }
   bool nccl_path_takes_turns() const override { return false; }
 
-  // Waits for the rank's last call (whichever queue it went to), then reports.
+  Stream rank_stream(const TeamState& rank, Stream stream) const override {
+    return stream.handle != nullptr ? stream : Stream{&*sycl_state(rank).queue};
+  }
+
+  // Waits for the rank's last call (whichever queue it went to; a team of one rank, whose calls
+  // run the local kernel: the rank's own queue too), then reports.
   void check(const TeamState& rank) const override {
     const SyclTeamState& team = sycl_state(rank);
     std::optional<sycl::event> last;
@@ -328,6 +330,7 @@ class SyclBackend final : public BackendOps {
       last = team.last;
     }
     try {
+      if (rank.world_size() == 1) team.queue->wait_and_throw();
       if (last) last->wait_and_throw();
     } catch (const sycl::exception& error) {
       TPF_FAIL("rank " << rank.rank() << ": a call failed in the SYCL runtime: " << error.what());

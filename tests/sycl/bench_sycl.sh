@@ -36,7 +36,7 @@ fi
 for wanted in "SYCL mode: 2 ranks on" "CPU-device figures" \
   "hidden 3072, bf16, world 2 (sycl (CPU device))" "oneshot_sycl" "twoshot_sycl" \
   "oneshot_sycl_host" "sycl_local" "fp8_static_sycl" "fp8_token_sycl" "fp8_group128_sycl" \
-  "tpfuse_cpu" "cpu_local"; do
+  "tpfuse_cpu" "cpu_local" "tpfuse_fused_sycl" "tpfuse_fused_rope_sycl"; do
   grep -qF -- "$wanted" "$out/run" || fail "the SYCL run's output does not show '$wanted'"
 done
 grep -qF '"impl": "tpfuse_oneshot_sycl_host"' "$out/run.json" ||

@@ -194,6 +194,8 @@ TEST_F(SyclProperties, EmptyCallsTakeTheirTurn) {
 // backend's bits, every dtype and weight, against float64 too.
 TEST(SyclLocal, AddRmsNormGivesTheCpuBackendsBits) {
   TPF_REQUIRE_DEVICE(device);
+  const char* const kForms[] = {" add_rmsnorm", " one-rank team, a queue",
+                                " one-rank team, the rank's queue"};
   SyclHarness one(create_sycl_team(std::vector<sycl::device>{device}));
   sycl::queue& queue = one.queue(0);
   std::mt19937_64 rng(1900);
@@ -237,7 +239,9 @@ TEST(SyclLocal, AddRmsNormGivesTheCpuBackendsBits) {
         one.upload(0, input, data.inputs[0].data(), bytes);
         one.upload(0, residual, data.residuals[0].data(), bytes);
         one.upload(0, gamma, data.gamma.data(), data.gamma.bytes.size());
-        for (int form = 0; form < 2; ++form) {
+        // add_rmsnorm on a queue; a one-rank team's call on that queue; and on none (the
+        // rank's own queue, which Team::check waits for).
+        for (int form = 0; form < 3; ++form) {
           const HostTensor poison = poisoned(dtype, count);
           one.upload(0, residual_out, poison.data(), bytes);
           one.upload(0, norm_out, poison.data(), bytes);
@@ -245,17 +249,19 @@ TEST(SyclLocal, AddRmsNormGivesTheCpuBackendsBits) {
           if (form == 0) {
             add_rmsnorm(Backend::kSycl, args, queue);
             queue.wait();
-          } else {
+          } else if (form == 1) {
             allreduce_add_rmsnorm(one.team()[0], args, queue);
+            one.team()[0].check();
+          } else {
+            allreduce_add_rmsnorm(one.team()[0], args);
             one.team()[0].check();
           }
           HostTensor got_norm(dtype, count), got_residual(dtype, count);
           one.download(0, got_norm.data(), norm_out, bytes);
           one.download(0, got_residual.data(), residual_out, bytes);
-          EXPECT_TRUE(got_norm.bytes == on_cpu.norm_out[0].bytes)
-              << describe(spec) << (form == 0 ? " add_rmsnorm" : " one-rank team");
+          EXPECT_TRUE(got_norm.bytes == on_cpu.norm_out[0].bytes) << describe(spec) << kForms[form];
           EXPECT_TRUE(got_residual.bytes == on_cpu.residual_out[0].bytes)
-              << describe(spec) << (form == 0 ? " add_rmsnorm" : " one-rank team");
+              << describe(spec) << kForms[form];
         }
         if (::testing::Test::HasFailure()) return;
       }
