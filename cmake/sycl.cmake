@@ -85,7 +85,8 @@ if(TPFUSE_HAVE_SYCL)
   # The SYCL backend is part of tpfuse (its registry line needs it): src/sycl/'s host code, the
   # kernel compiler and the embedded headers its kernels are compiled from. tpfuse_sycl is what
   # the SYCL tests link: tpfuse with the runtime and src/ on the include path.
-  target_sources(tpfuse PRIVATE src/sycl/backend.cc src/sycl/compiler.cc src/sycl/team.cc)
+  target_sources(tpfuse PRIVATE src/sycl/backend.cc src/sycl/compiler.cc src/sycl/team.cc
+                              src/sycl/process_team.cc)
   tpfuse_embed_texts(tpfuse library_headers ${tpfuse_sycl_embedded})
   # Installed, the package's config file makes tpfuse::sycl from the runtime found again.
   target_link_libraries(tpfuse PUBLIC $<BUILD_INTERFACE:SyclRuntime::sycl>

@@ -75,6 +75,35 @@ inline void add_rmsnorm(Backend backend, const AddRmsNormArgs& args, sycl::queue
 std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
                                    const TeamOptions& options = {});
 
+// A SYCL team of one rank per process on this host, as serving engines run: rank `rank` of
+// `world_size` on `device`. The id comes from create_cpu_team_id(), made on one rank and passed to
+// the others through any channel; the creation is collective and bootstraps over a CPU team of
+// the same id (shared memory), as create_cuda_team(id, ...) does. The calls, their errors and
+// Team::check are the in-process team's. Each rank's workspace (3 * world_size * packet_bytes):
+// - on a CPU device (Intel's OpenCL CPU device: USM system allocations, kernels run in the
+//   process that queued them): host memory every rank's process maps (a memfd the rank makes,
+//   its pages reserved; its peers open it through /proc/<pid>/fd, so the ranks' processes must
+//   be of one user and one PID namespace); peer_memory() is "sycl shared memory";
+// - on a GPU: device memory exported with sycl_ext_oneapi_ipc_memory and opened by every peer
+//   (ranks on different devices need peer access; its absence is an error naming them);
+//   peer_memory() is "sycl ipc". Written for Intel GPUs and not run on one yet (docs/sycl.md).
+// Checked, with the same error on every rank (each naming the rank and what differs): every
+// rank's setup (a failure names the rank, with its message); packet_bytes, peer_stores and
+// peer_memory as rank 0's (peer_stores must be true: there is no NCCL path); the devices all CPU
+// devices or all GPUs; and no more ranks on a device than it has compute units, counted over the
+// team's processes (the error names the ranks and the units; on the CPU device the units are the
+// CPUs the ranks' processes may run on together: ranks pinned to one CPU share it). A rank given
+// another world_size is told by the bootstrap ("world_size: 2 on rank 0, 3 here"); the others
+// name it as not joined. A rank's kernels are compiled (or loaded from the caches: minutes cold)
+// before it joins, so peer_timeout_seconds must allow for a peer's cold compile; then each wait
+// for the peers lasts up to peer_timeout_seconds + handshake_timeout_seconds (0 peer timeout:
+// forever), after which the ranks that never joined are named, never waited for. Last, a
+// handshake: the team's first call (an allreduce of each rank's number, its sum checked) proves
+// that every rank's stores arrive in every peer; its failure is an error of the creation. A peer
+// that dies later is reported by the call that waits for it, with its process ("has exited").
+Team create_sycl_team(const CpuTeamId& id, int rank, int world_size, const sycl::device& device,
+                      const TeamOptions& options = {});
+
 // A SYCL rank's own in-order queue: the team's context and the rank's device, where its calls go
 // when they pass no queue. Make more queues of the same context and device from it (in order).
 sycl::queue& sycl_queue(const Team& team);

@@ -138,7 +138,8 @@ class Team {
   // How ranks reach each other's memory: "host memory" (CPU backend, in-process), "shared memory"
   // (CPU backend, a process a rank), "cuda peer access" (in-process), "nccl window" or "cuda
   // ipc" (multi-process: create_nccl_team, or create_cuda_team(id, ...) without NCCL), "sycl usm"
-  // (SYCL ranks sharing one device) or "sycl peer access" (several SYCL devices), or "none" (NCCL
+  // (SYCL ranks sharing one device) or "sycl peer access" (several SYCL devices), "sycl shared
+  // memory" or "sycl ipc" (SYCL, a process a rank: a CPU device or a GPU), or "none" (NCCL
   // only).
   const std::string& peer_memory() const;
   // Synchronizes with the rank's device work, then throws tpfuse::Error if the team failed: a

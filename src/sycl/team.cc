@@ -16,6 +16,7 @@
 #include "core/team_state.h"
 #include "sycl/compiler.h"
 #include "sycl/state.h"
+#include "sycl/team.h"
 #include "tpfuse/impl/lamport.h"
 #include "tpfuse/sycl.h"
 
@@ -32,33 +33,45 @@ struct SyclTeamMemory : TeamMemory {
   std::vector<void*> blocks;
 };
 
-std::string device_name(const sycl::device& device) {
+}  // namespace
+
+std::string sycl_device_name(const sycl::device& device) {
   return device.get_info<sycl::info::device::name>();
 }
 
-// Ranks that would spin on one device at once need a compute unit each (rows.h): more is refused
-// here, naming them, rather than left to time out (or hang, without a timeout).
-void refuse_more_ranks_than_compute_units(const std::vector<sycl::device>& devices,
-                                          const std::vector<sycl::device>& distinct,
-                                          const char* op) {
-  if (devices.size() < 2) return;
-  for (const sycl::device& device : distinct) {
-    std::vector<int> ranks;
-    for (size_t r = 0; r < devices.size(); ++r) {
-      if (devices[r] == device) ranks.push_back(int(r));
+void refuse_more_ranks_than_compute_units(const std::vector<RankOnDevice>& ranks, const char* op,
+                                          const std::string& note) {
+  if (ranks.size() < 2) return;
+  std::vector<std::string> keys;
+  for (const RankOnDevice& rank : ranks) {
+    if (std::find(keys.begin(), keys.end(), rank.device_key) == keys.end()) {
+      keys.push_back(rank.device_key);
     }
-    const uint32_t units = device.get_info<sycl::info::device::max_compute_units>();
-    if (ranks.size() <= units) continue;
+  }
+  for (const std::string& key : keys) {
+    std::vector<int> sharing;
+    uint32_t units = ~0u;
+    std::string name;
+    for (const RankOnDevice& rank : ranks) {
+      if (rank.device_key != key) continue;
+      sharing.push_back(rank.rank);
+      units = std::min(units, rank.compute_units);
+      if (name.empty()) name = rank.device_name;
+    }
+    if (sharing.size() <= units) continue;
     std::ostringstream list;
-    for (size_t i = 0; i < ranks.size(); ++i) list << (i > 0 ? ", " : "") << ranks[i];
+    for (size_t i = 0; i < sharing.size(); ++i) list << (i > 0 ? ", " : "") << sharing[i];
     TPF_CHECK_ARG(false, op,
-                  ranks.size() << " ranks (" << list.str() << ") on device '" << device_name(device)
-                               << "', which has " << units
-                               << " compute units: every rank polls its peers from a running "
-                                  "kernel and needs a compute unit of its own at once, so at most "
-                               << units << " ranks may share this device");
+                  sharing.size() << " ranks (" << list.str() << ") on device '" << name
+                                 << "', which has " << units << " compute units" << note
+                                 << ": every rank polls its peers from a running "
+                                    "kernel and needs a compute unit of its own at once, so at "
+                                    "most "
+                                 << units << " ranks may share this device");
   }
 }
+
+namespace {
 
 // Looks per second of a wait (tpf_sycl_calibrate), by one work-item: what one wait costs, however
 // a device runs a group's work-items (the CPU device runs them in SIMD lanes, a few lane groups
@@ -139,6 +152,14 @@ double clock_ticks_per_second(sycl::queue& queue, const SyclKernels& kernels) {
 }
 
 }  // namespace
+
+uint64_t sycl_wait_bound(sycl::queue& queue, const SyclKernels& kernels, double timeout_seconds) {
+  if (timeout_seconds <= 0) return 0;
+  const double rate =
+      kernels.clock ? clock_ticks_per_second(queue, kernels) : looks_per_second(queue, kernels);
+  return std::max<uint64_t>(1, uint64_t(timeout_seconds * rate));
+}
+
 }  // namespace impl
 
 std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
@@ -156,16 +177,23 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
       distinct.push_back(device);
     }
   }
-  impl::refuse_more_ranks_than_compute_units(devices, distinct, op);
+  std::vector<impl::RankOnDevice> on_devices;
+  for (int r = 0; r < world_size; ++r) {
+    const auto at = std::find(distinct.begin(), distinct.end(), devices[r]);
+    on_devices.push_back({r, std::to_string(at - distinct.begin()),
+                          impl::sycl_device_name(devices[r]),
+                          devices[r].get_info<sycl::info::device::max_compute_units>()});
+  }
+  impl::refuse_more_ranks_than_compute_units(on_devices, op);
   for (const sycl::device& device : distinct) {
     TPF_CHECK_ARG(sycl_backend::can_compile_sycl(device), op,
-                  "device '" << impl::device_name(device)
+                  "device '" << impl::sycl_device_name(device)
                              << "' cannot compile SYCL source at run time "
                                 "(ext_oneapi_can_compile), which the SYCL backend's kernels need");
     TPF_CHECK_ARG(device.get_platform() == distinct.front().get_platform(), op,
                   "every device must be of one platform: '"
-                      << impl::device_name(device) << "' is not of '"
-                      << impl::device_name(distinct.front()) << "''s");
+                      << impl::sycl_device_name(device) << "' is not of '"
+                      << impl::sycl_device_name(distinct.front()) << "''s");
   }
   // Distinct devices store into each other's memory (GPU-only: not run here, docs/sycl.md).
   // (ext_oneapi_can_access_peer and enable_peer_access are not const: copies of the handles.)
@@ -173,8 +201,8 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
     for (const sycl::device& to : distinct) {
       if (from == to) continue;
       TPF_CHECK_ARG(from.ext_oneapi_can_access_peer(to), op,
-                    "device '" << impl::device_name(from) << "' cannot access the memory of '"
-                               << impl::device_name(to) << "' (no peer access)");
+                    "device '" << impl::sycl_device_name(from) << "' cannot access the memory of '"
+                               << impl::sycl_device_name(to) << "' (no peer access)");
       try {
         from.ext_oneapi_enable_peer_access(to);
       } catch (const sycl::exception&) {
@@ -199,7 +227,7 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
   const auto allocated = [&](void* block, const char* what, int rank) {
     if (block == nullptr) {
       TPF_FAIL(op << ": out of memory allocating rank " << rank << "'s " << what << " on '"
-                  << impl::device_name(devices[rank]) << "'");
+                  << impl::sycl_device_name(devices[rank]) << "'");
     }
     memory->blocks.push_back(block);
     return block;
@@ -220,20 +248,15 @@ std::vector<Team> create_sycl_team(const std::vector<sycl::device>& devices,
   for (sycl::queue& queue : queues) queue.wait();
   // The waits' bound: the timeout as clock ticks (or looks), at the rate measured on rank 0's
   // device.
-  uint64_t bound = 0;
-  if (options.peer_timeout_seconds > 0) {
-    const double rate = kernels.front()->clock
-                            ? impl::clock_ticks_per_second(queues.front(), *kernels.front())
-                            : impl::looks_per_second(queues.front(), *kernels.front());
-    bound = std::max<uint64_t>(1, uint64_t(options.peer_timeout_seconds * rate));
-  }
+  const uint64_t bound =
+      impl::sycl_wait_bound(queues.front(), *kernels.front(), options.peer_timeout_seconds);
   const std::vector<sycl::device> all = sycl::device::get_devices();
   std::vector<Team> team;
   for (int r = 0; r < world_size; ++r) {
     const std::string peer_memory = distinct.size() == 1 ? "sycl usm" : "sycl peer access";
     auto state = impl::new_team_state<impl::SyclTeamState>(
-        impl::sycl_backend(), r, world_size, options, "sycl:" + impl::device_name(devices[r]), "",
-        peer_memory);
+        impl::sycl_backend(), r, world_size, options, "sycl:" + impl::sycl_device_name(devices[r]),
+        "", peer_memory);
     for (int p = 0; p < world_size; ++p) state->exchange.workspace[p] = workspace[p];
     state->exchange.control = controls[r];
     state->exchange.errors = records[r];
