@@ -42,6 +42,7 @@
 #include "cuda/check.h"
 #if TPFUSE_BENCH_NCCL
 #include "cuda/nccl_types.h"
+#include "cuda/team/teams.h"
 #endif
 #include "gpu_kernels.h"
 #include "tpfuse/cuda.h"
@@ -897,7 +898,12 @@ std::vector<Record> run_gpu_bench(const Options& options, RunInfo& info) {
   for (int rank = 0; rank < world_size; ++rank) {
     devices[size_t(rank)] = options.shared_device ? 0 : rank;
   }
-  const std::vector<Team> team = create_cuda_team(devices, team_options_of(options));
+  // Ranks sharing GPU 0 are a team the public create_cuda_team refuses (a device a rank): the
+  // library's own form for them, as tests/gpu/test_shared_device_gpu.cc makes.
+  const std::vector<Team> team =
+      options.shared_device
+          ? impl::create_in_process_cuda_team(devices, team_options_of(options), true)
+          : create_cuda_team(devices, team_options_of(options));
 
   GpuPlan plan;
   static_cast<BenchPlan&>(plan) =

@@ -112,7 +112,7 @@ TPF_HOST_DEVICE CallOutputs row_outputs(const RowCall& call, uint64_t element_by
   if (quant) {
     const uint64_t fp8_bytes = uint64_t(call.hidden);
     out.rows[out.count++] = {call.quant_out, call.tokens, fp8_bytes, fp8_bytes, kFp8NanWord};
-    const int64_t scales = output_scale_count(call.quant, call.tokens, call.hidden);
+    const int64_t scales = scale_count(output_scope_of(call.quant), call.tokens, call.hidden);
     out.rows[out.count++] = {call.scales_out, 1, uint64_t(scales) * 4, 0, kFloatNanWord};
   }
   return out;

@@ -194,7 +194,7 @@ void row_outputs_nan(const SyclRowCall& p, int64_t first, int64_t stride) {
   if constexpr (Epilogue::kHasQuant) {
     auto* words = static_cast<uint32_t*>(p.quant_out);  // 16-byte aligned, rows of 8k bytes
     for (int64_t i = first; i < p.tokens * p.hidden / 4; i += stride) words[i] = 0x7f7f7f7fu;
-    const int64_t scales = output_scale_count(QuantMode(p.quant), p.tokens, p.hidden);
+    const int64_t scales = scale_count(output_scope_of(QuantMode(p.quant)), p.tokens, p.hidden);
     for (int64_t i = first; i < scales; i += stride) {
       p.scales_out[i] = sycl::bit_cast<float>(uint32_t(0x7fc00000u));
     }

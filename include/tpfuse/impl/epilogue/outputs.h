@@ -83,9 +83,9 @@ constexpr OutputScope output_scope(QuantMode mode) {
   return OutputScope::kNone;
 }
 
-// The fp32 scales a call of `mode` writes to scales_out.
-constexpr int64_t output_scale_count(QuantMode mode, int64_t tokens, int64_t hidden) {
-  switch (output_scope(mode)) {
+// The fp32 scales an output of `scope` writes to scales_out, host and device.
+TPF_HOST_DEVICE constexpr int64_t scale_count(OutputScope scope, int64_t tokens, int64_t hidden) {
+  switch (scope) {
     case OutputScope::kToken:
       return tokens;
     case OutputScope::kGroup:
@@ -95,6 +95,13 @@ constexpr int64_t output_scale_count(QuantMode mode, int64_t tokens, int64_t hid
       return 0;
   }
   return 0;
+}
+
+// The fp32 scales a call of `mode` writes to scales_out. Host only (it reads RowOutputs::kInfos,
+// which device code cannot: a GPU read of it faults); device code takes
+// scale_count(output_scope_of(mode), ...).
+constexpr int64_t output_scale_count(QuantMode mode, int64_t tokens, int64_t hidden) {
+  return scale_count(output_scope(mode), tokens, hidden);
 }
 
 }  // namespace tpfuse::impl
