@@ -82,10 +82,12 @@ inline sycl::nd_item<1> this_item() {
   return sycl::ext::oneapi::this_work_item::get_nd_item<1>();
 }
 
-// A failure of this rank's (kTimeout): the first one claims the control block's error word, fills
-// the error record (host memory the host reads) and announces it with its mark in every rank's
-// workspace, as the CPU backend does.
-inline void record_failure(const Exchange& x, CallError kind, int peer, uint32_t sequence) {
+// A failure of the team seen by this rank (kTimeout, kMismatch, or kPeerFailed from a header):
+// the first claims the control block's error word, fills the error record (host memory: the
+// details, then the kind with release) and, for a failure of its own, stores its mark into every
+// rank's workspace.
+inline void record_team_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
+                                const Vec16& theirs, uint32_t sequence) {
   uint32_t expected = 0;
   if (!ProtocolAtomic<uint32_t>(x.control->error)
            .compare_exchange_strong(expected, uint32_t(1 + peer), sycl::memory_order::acq_rel)) {
@@ -93,9 +95,13 @@ inline void record_failure(const Exchange& x, CallError kind, int peer, uint32_t
   }
   x.errors->failure_peer = uint32_t(peer);
   x.errors->sequence = sequence;
+  x.errors->mine = mine;
+  x.errors->theirs = theirs;
   store_release(&x.errors->failure, uint32_t(kind));
-  const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
-  for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
+  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
+    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
+    for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
+  }
 }
 
 // The session's Coop (session.h) where a work-group is the rank's one participant.

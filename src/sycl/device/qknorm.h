@@ -201,14 +201,8 @@ void qk_call(const SyclQkCall& p, float* stage) {
   session.clear_previous(x);
 
   // 4. The headers before the data.
-  bool differs = false;
-  if (first < world && first != x.rank) {
-    Vec16 header;
-    differs = !wait_vector(session.received_header(x, int(first)), x, mine, int(first),
-                           state.sequence, p.bound, header) ||
-              record_header(Recorder{}, x, mine.header, header, int(first), state.sequence) !=
-                  CallError::kNone;
-  }
+  const bool differs =
+      peer_header_differs(session, x, mine, state.sequence, p.bound, size_t(first));
   if (sycl::any_of_group(group, differs)) {
     qk_outputs_nan<T>(p, first, stride);
     return;

@@ -282,18 +282,11 @@ void row_call(const SyclRowCall& p) {
                      twoshot ? layout.sender_bytes(row_bytes) : uint64_t(p.tokens) * row_bytes);
     }
     session.clear_previous(x);
-    // The headers before any packet is used: work-item r waits for rank r's and checks it
-    // (record_header: a rejection, a disagreement, a failed peer). If any differs (or its wait
+    // The headers before any packet is used (peer_header_differs). If any differs (or its wait
     // ended without it), every output of the call is NaN and no packet is read: a peer whose call
     // disagrees but keeps the packets' layout (another dtype, another eps) mixes nothing in.
-    bool differs = false;
-    if (first < world && first != rank) {
-      Vec16 header;
-      differs = !wait_vector(session.received_header(x, int(first)), x, mine, int(first),
-                             state.sequence, p.bound, header) ||
-                record_header(Recorder{}, x, mine.header, header, int(first), state.sequence) !=
-                    CallError::kNone;
-    }
+    const bool differs =
+        peer_header_differs(session, x, mine, state.sequence, p.bound, size_t(first));
     if (sycl::any_of_group(group, differs)) {
       // Every store the call's signature implies still goes out (session.h): two-shot's gather
       // rows too, which a rejecting peer's absent call drains. NaN: no number.

@@ -57,28 +57,6 @@ inline bool bound_passed(uint64_t bound, uint64_t looks, uint64_t& start) {
 // the bound).
 constexpr uint64_t kCheckEvery = 64;
 
-// A failure of the team seen by this rank (kTimeout, kMismatch, or kPeerFailed from a header):
-// the first claims the control block's error word, fills the error record (host memory: the
-// details, then the kind with release) and, for a failure of its own, stores its mark into every
-// rank's workspace.
-inline void record_team_failure(const Exchange& x, CallError kind, int peer, const Vec16& mine,
-                                const Vec16& theirs, uint32_t sequence) {
-  uint32_t expected = 0;
-  if (!ProtocolAtomic<uint32_t>(x.control->error)
-           .compare_exchange_strong(expected, uint32_t(1 + peer), sycl::memory_order::acq_rel)) {
-    return;
-  }
-  x.errors->failure_peer = uint32_t(peer);
-  x.errors->sequence = sequence;
-  x.errors->mine = mine;
-  x.errors->theirs = theirs;
-  store_release(&x.errors->failure, uint32_t(kind));
-  if (kind == CallError::kTimeout || kind == CallError::kMismatch) {
-    const Vec16 mark = failure_mark(kind, x.rank, peer, sequence);
-    for (int r = 0; r < x.world_size; ++r) store_vector(x.mark_of(r), mark);
-  }
-}
-
 // A per-call error (a peer's rejection, a QK position outside the cache): the first since the
 // last Team::check claims the record (call_claims moves from the record's call_generation to one
 // past it, as on the GPU), then writes its details and, last, the kind with release.
@@ -134,6 +112,22 @@ inline bool wait_vector(const Vec16* address, const Exchange& x, const CallSigna
     v = load_vector(address);
   }
   return true;
+}
+
+// The headers before any packet is used: work-item r (r < world, not this rank) waits for rank
+// r's header and checks it (record_header: a rejection, a disagreement, a failed peer). True on
+// the work-item whose peer's header differs or whose wait ended without it; the kernels take
+// any_of_group of it and then read no packet.
+template <typename Session>
+inline bool peer_header_differs(const Session& session, const Exchange& x,
+                                const CallSignature& mine, uint32_t sequence, uint64_t bound,
+                                size_t first) {
+  if (first >= size_t(x.world_size) || int(first) == x.rank) return false;
+  Vec16 header;
+  return !wait_vector(session.received_header(x, int(first)), x, mine, int(first), sequence, bound,
+                      header) ||
+         record_header(Recorder{}, x, mine.header, header, int(first), sequence) !=
+             CallError::kNone;
 }
 
 // Step 1: work-item 0 reads the call state, the group takes it.
